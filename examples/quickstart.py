@@ -1,0 +1,1 @@
+print("rlmath quickstart: being written")

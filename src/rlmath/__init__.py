@@ -1,0 +1,44 @@
+"""rlmath: the math engine of RLHF training for PyTorch.
+
+Every public function is importable from the top level, e.g.
+``from rlmath import masked_mean, kl_penalty``. Semantics are pinned in
+DESIGN.md; each function's docstring states the shapes and dtypes.
+"""
+
+from rlmath import (
+    advantages,
+    kl,
+    kl_controllers,
+    logprobs,
+    losses,
+    masked,
+    padding,
+    rewards,
+    schedules,
+    tensor_utils,
+)
+from rlmath.advantages import *
+from rlmath.kl import *
+from rlmath.kl_controllers import *
+from rlmath.logprobs import *
+from rlmath.losses import *
+from rlmath.masked import *
+from rlmath.padding import *
+from rlmath.rewards import *
+from rlmath.schedules import *
+from rlmath.tensor_utils import *
+
+__version__ = "0.1.0"
+
+__all__ = [
+    *masked.__all__,
+    *tensor_utils.__all__,
+    *padding.__all__,
+    *kl.__all__,
+    *kl_controllers.__all__,
+    *rewards.__all__,
+    *schedules.__all__,
+    *logprobs.__all__,
+    *advantages.__all__,
+    *losses.__all__,
+]
