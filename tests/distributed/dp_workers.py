@@ -1,0 +1,92 @@
+"""Functions run inside spawned ranks by the distributed tests.
+
+Each rank builds the same global batch from a seed, takes its own slice (rank 1
+gets an empty mask), and returns what it computed so the test process can
+compare with the single-process functions on the whole batch.
+"""
+
+import torch
+import torch.distributed as dist
+
+import rlmath
+from rlmath import distributed as rd
+
+
+def global_batch(seed: int, rows: int = 12, cols: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, cols, generator=g, dtype=torch.float64) * 2 + 0.5
+    mask = torch.rand(rows, cols, generator=g) < 0.6
+    return values, mask
+
+
+def row_slices(rows: int, world: int):
+    """Uneven contiguous slices; rank 1 (if any) gets rows whose mask is emptied."""
+    bounds = torch.linspace(0, rows, world + 1).round().long().tolist()
+    return [slice(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+def dp_stats_worker(seed: int, dtype_name: str):
+    dtype = getattr(torch, dtype_name)
+    r, world = dist.get_rank(), dist.get_world_size()
+    values, mask = global_batch(seed)
+    if world > 1:
+        mask[row_slices(values.shape[0], world)[1]] = False  # a rank with no valid token
+    sl = row_slices(values.shape[0], world)[r]
+    local_v = values[sl].to(dtype).clone().requires_grad_()
+    local_m = mask[sl]
+    out = {
+        "sum": rd.masked_sum(local_v, local_m),
+        "mean": rd.masked_mean(local_v, local_m),
+        "var": rd.masked_var(local_v, local_m),
+        "var_biased": rd.masked_var(local_v, local_m, unbiased=False),
+        "whiten": rd.masked_whiten(local_v, local_m),
+        "whiten_noshift": rd.masked_whiten(local_v, local_m, shift_mean=False),
+        "mmms": rd.distributed_mean_max_min_std(local_v, mask=local_m),
+    }
+    # Each rank backpropagates its share of a total loss that mixes global
+    # statistics (counted once overall) with its local whitened values.
+    coef = torch.arange(values.numel(), dtype=torch.float64).reshape(values.shape)[sl].cos()
+    loss = (out["mean"] * 3 + out["var"] - out["sum"] * 0.25) / world
+    loss = loss + (coef * out["whiten"]).sum() + (coef.sin() * out["whiten_noshift"]).sum()
+    loss.backward()
+    empty = torch.zeros_like(local_m)
+    out["empty_mean"] = rd.masked_mean(local_v, empty)
+    out["empty_var"] = rd.masked_var(local_v, empty)
+    out["empty_whiten"] = rd.masked_whiten(local_v, empty)
+    out = {k: _detach(v) for k, v in out.items()}
+    out["grad"] = local_v.grad.detach()
+    out["slice"] = (sl.start, sl.stop)
+    out["mask"] = mask
+    return out
+
+
+def _detach(v):
+    if isinstance(v, tuple):
+        return tuple(x.detach() if x is not None else None for x in v)
+    return v.detach()
+
+
+def single_process_expected(seed: int, world: int, dtype_name: str):
+    """The same quantities on the whole batch in one process (plain rlmath.masked)."""
+    dtype = getattr(torch, dtype_name)
+    values, mask = global_batch(seed)
+    if world > 1:
+        mask[row_slices(values.shape[0], world)[1]] = False
+    v = values.to(dtype).clone().requires_grad_()
+    exp = {
+        "sum": rlmath.masked_sum(v, mask),
+        "mean": rlmath.masked_mean(v, mask),
+        "var": rlmath.masked_var(v, mask),
+        "var_biased": rlmath.masked_var(v, mask, unbiased=False),
+        "whiten": rlmath.masked_whiten(v, mask),
+        "whiten_noshift": rlmath.masked_whiten(v, mask, shift_mean=False),
+    }
+    coef = torch.arange(values.numel(), dtype=torch.float64).reshape(values.shape).cos()
+    loss = exp["mean"] * 3 + exp["var"] - exp["sum"] * 0.25
+    loss = loss + (coef * exp["whiten"]).sum() + (coef.sin() * exp["whiten_noshift"]).sum()
+    loss.backward()
+    exp = {k: t.detach() for k, t in exp.items()}
+    sel = v.detach()[mask]
+    exp["mmms"] = (sel.mean(), sel.max(), sel.min(), sel.std())
+    exp["grad"] = v.grad
+    return exp

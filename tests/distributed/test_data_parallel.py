@@ -1,0 +1,67 @@
+"""Data-parallel statistics equal the single-process ones on the concatenated batch.
+
+Real collectives: gloo, 2 and 4 processes on this machine.
+"""
+
+import pytest
+import torch
+
+from rlmath import distributed as rd
+from rlmath.distributed import run_distributed
+
+from .dp_workers import dp_stats_worker, single_process_expected
+
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_dp_stats_equal_single_process(world, dtype_name):
+    seed = 17 + world
+    results = run_distributed(dp_stats_worker, world, seed, dtype_name)
+    exp = single_process_expected(seed, world, dtype_name)
+    tol = TOL[dtype_name]
+    grad = torch.zeros_like(exp["grad"])
+    for res in results:
+        for key in ("sum", "mean", "var", "var_biased"):
+            torch.testing.assert_close(res[key], exp[key], rtol=tol, atol=tol)
+        for got, want in zip(res["mmms"], exp["mmms"]):
+            torch.testing.assert_close(got, want.to(got.dtype), rtol=tol, atol=tol)
+        sl = slice(*res["slice"])
+        for key in ("whiten", "whiten_noshift"):
+            torch.testing.assert_close(res[key], exp[key][sl], rtol=tol, atol=tol)
+        for key in ("empty_mean", "empty_var"):
+            assert res[key].item() == 0.0
+        assert (res["empty_whiten"] == 0).all()
+        grad[sl] = res["grad"]
+    # Each rank's backward gives its slice of the full-batch gradient.
+    torch.testing.assert_close(grad, exp["grad"], rtol=tol, atol=tol)
+
+
+def test_single_process_fallback_without_init():
+    values = torch.randn(5, 3, dtype=torch.float64)
+    mask = torch.rand(5, 3) < 0.5
+    mask[0, 0] = True
+    import rlmath
+
+    torch.testing.assert_close(rd.masked_mean(values, mask), rlmath.masked_mean(values, mask))
+    torch.testing.assert_close(rd.masked_var(values, mask), rlmath.masked_var(values, mask))
+    torch.testing.assert_close(rd.masked_whiten(values, mask), rlmath.masked_whiten(values, mask))
+    mean, vmax, vmin, std = rd.distributed_mean_max_min_std(values, mask=mask)
+    sel = values[mask]
+    torch.testing.assert_close(
+        torch.stack([mean, vmax, vmin]), torch.stack([sel.mean(), sel.max(), sel.min()])
+    )
+    if sel.numel() > 1:
+        torch.testing.assert_close(std, sel.std())
+    none_max = rd.distributed_mean_max_min_std(values, compute_max=False, compute_std=False)
+    assert none_max[1] is None and none_max[3] is None
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="mask must have the shape of values"):
+        rd.masked_mean(torch.zeros(3), torch.ones(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="world_size"):
+        run_distributed(dp_stats_worker, 0, 1, "float64")
+    with pytest.raises(TypeError, match="local_tensor"):
+        rd.distributed_mean_max_min_std([1.0])
