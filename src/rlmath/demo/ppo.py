@@ -1,0 +1,136 @@
+"""PPO with a critic, KL-shaped rewards, GAE, clipped policy and value losses.
+
+Schulman et al. 2017 (https://arxiv.org/abs/1707.06347) as used for language
+models by Ziegler et al. 2019 / Ouyang et al. 2022: the task reward sits on a
+response's last token and every token pays ``β·KL`` to the reference model
+(``rlmath.compute_rewards``), with β steered by
+``rlmath.AdaptiveKLController``; a separate critic (the policy's trunk plus a
+value head) estimates values, ``rlmath.compute_gae_advantage_return`` turns
+rewards and values into whitened advantages and returns, and both networks
+are updated with clipped losses (``rlmath.get_policy_loss("vanilla")``,
+``rlmath.compute_value_loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import rlmath
+from rlmath.demo.batch import Rollout, response_forward
+from rlmath.demo.config import DemoConfig
+from rlmath.demo.rollout import token_level_scores
+from rlmath.demo.task import SortTask
+from rlmath.demo.trainer import Trainer, minibatches
+
+__all__ = ["PPOTrainer"]
+
+
+class PPOTrainer(Trainer):
+    group_size = 1
+
+    def __init__(
+        self, cfg: DemoConfig, policy: nn.Module, task: SortTask, device: torch.device
+    ) -> None:
+        super().__init__(cfg, policy, task, device)
+        assert cfg.kl_coef is not None and cfg.critic_lr is not None and cfg.steps is not None
+        # The critic starts from the (warmed-up) policy's weights, as verl's
+        # critic starts from the SFT model, with a fresh value head.
+        self.critic = _critic_from(policy)
+        self.critic_optimizer = torch.optim.AdamW(
+            self.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0
+        )
+        self.critic_scheduler = rlmath.get_cosine_schedule_with_warmup(
+            self.critic_optimizer,
+            num_warmup_steps=cfg.lr_warmup_steps,
+            num_training_steps=cfg.steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+        self.kl_ctrl = rlmath.AdaptiveKLController(
+            init_kl_coef=cfg.kl_coef, target_kl=cfg.kl_target, horizon=cfg.kl_horizon
+        )
+
+    def update_critic(self, batch: Rollout) -> dict[str, float]:
+        cfg = self.cfg
+        assert batch.returns is not None and batch.values is not None
+        self.critic.train()
+        loss_sum, clip_sum, n = 0.0, 0.0, 0
+        for _ in range(cfg.ppo_epochs):
+            for rows in minibatches(len(batch), cfg.mini_batches, self.shuffle_gen):
+                mb = batch.select(rows.to(self.device))
+                vpreds = response_forward(self.critic, mb, with_log_prob=False, with_values=True)
+                assert vpreds.values is not None and mb.returns is not None
+                vf_loss, vf_clipfrac = rlmath.compute_value_loss(
+                    vpreds.values,
+                    mb.returns,
+                    mb.values,
+                    mb.response_mask,
+                    cliprange_value=cfg.cliprange_value,
+                    loss_agg_mode=cfg.loss_agg_mode,
+                )
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                vf_loss.backward()
+                nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                self.critic_optimizer.step()
+                loss_sum += float(vf_loss)
+                clip_sum += float(vf_clipfrac)
+                n += 1
+        return {"value_loss": loss_sum / n, "vf_clipfrac": clip_sum / n}
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        assert cfg.batch_size is not None
+        # 1. Rollout: one sampled response per prompt, scored by the task.
+        batch = self.rollout(cfg.batch_size)
+        assert batch.scores is not None
+        mask = batch.response_mask
+        # 2. Log-probs under π_old and π_ref, values from the critic.
+        stats = self.score_rollout(batch)
+        assert batch.old_log_prob is not None and batch.ref_log_prob is not None
+        with torch.no_grad():
+            batch.values = response_forward(
+                self.critic, batch, with_log_prob=False, with_values=True
+            ).values
+        assert batch.values is not None
+        # 3. Rewards: outcome score on the last token, minus β·KL(k1) on every token.
+        beta = self.kl_ctrl.value
+        rewards = rlmath.compute_rewards(
+            token_level_scores(batch.scores, mask),
+            batch.old_log_prob,
+            batch.ref_log_prob,
+            beta,
+            estimator="k1",
+            response_mask=mask,
+        )
+        # The controller sees the same k1 KL that the rewards paid, per token.
+        kl_k1 = rlmath.masked_mean(
+            rlmath.kl_penalty(batch.old_log_prob, batch.ref_log_prob, "k1"), mask
+        )
+        self.kl_ctrl.update(float(kl_k1), n_steps=len(batch))
+        # 4. GAE: advantages (whitened over valid tokens) and returns.
+        batch.advantages, batch.returns = rlmath.compute_gae_advantage_return(
+            rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam
+        )
+        # 5. Critic and actor updates (the clipped losses).
+        critic = self.update_critic(batch)
+        self.critic_scheduler.step()
+        update = self.update_actor(batch)
+        return {
+            **self.rollout_metrics(batch),
+            "kl": float(stats["kl"]),
+            "entropy": float(stats["entropy"]),
+            "clip_frac": update.get("pg_clipfrac", 0.0),
+            **critic,
+            "kl_coef": beta,
+            "kl_k1": float(kl_k1),
+            "values_mean": float(rlmath.masked_mean(batch.values, mask)),
+            **{k: v for k, v in update.items() if k != "pg_clipfrac"},
+        }
+
+
+def _critic_from(policy: nn.Module) -> nn.Module:
+    import copy
+
+    critic = copy.deepcopy(policy)
+    critic.add_value_head()
+    return critic
