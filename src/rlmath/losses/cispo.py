@@ -1,0 +1,74 @@
+"""Clipped IS-weight Policy Optimization (MiniMax-M1, https://arxiv.org/abs/2506.13585).
+
+CISPO clips the importance weight instead of the update, and stops its gradient:
+
+    l = −sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log π_θ
+
+so every token keeps a gradient ``−clip(r)·A·∇log π_θ`` (PPO drops the
+gradient of tokens outside the band; those are often the rare "fork" tokens
+of long reasoning).
+
+**verl vs TRL.** verl's ``cispo`` (the default here) clips on both sides with
+the PPO ranges ``[1 − ε_low, 1 + ε_high]``. TRL's ``loss_type="cispo"``
+truncates from above only, at an absolute cap ``ε_high`` (a value such as 5,
+not ``1 + ε``): ``sg(min(r, ε_high))``. ``upper_only=True`` gives TRL's form
+with the cap ``1 + clip_ratio_high`` (TRL's ``epsilon_high=5`` is
+``clip_ratio_high=4``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.losses.aggregation import Count, agg_loss
+from rlmath.losses.ratio import clip_bounds, policy_metrics, prepare_policy_inputs
+
+__all__ = ["compute_policy_loss_cispo"]
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    upper_only: bool = False,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_num_tokens: Count = None,
+    global_num_seqs: Count = None,
+    dp_size: int = 1,
+    norm_length: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO loss (verl's two-sided definition; ``upper_only=True`` for TRL's).
+
+    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_vanilla`.
+    Metrics: ``pg_clipfrac_high``/``pg_clipfrac_low`` are the fractions of
+    tokens with ``A ≠ 0`` whose weight was truncated at ``1 + ε_high`` / raised
+    to ``1 − ε_low`` (CISPO rescales these tokens' gradients, it never removes
+    them); verl counts every token outside the band, whatever its advantage.
+    """
+    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    if not isinstance(upper_only, bool):
+        raise TypeError(f"upper_only must be a bool, got {type(upper_only).__name__}")
+    inp = prepare_policy_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+    )  # fmt: skip
+    r = inp.ratio.detach()
+    weight = r.clamp(max=1 + high) if upper_only else r.clamp(1 - low, 1 + high)
+    adv = inp.advantages
+    loss_mat = -weight * adv * inp.log_prob
+    loss = agg_loss(
+        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
+        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        dp_size=dp_size, norm_length=norm_length,
+    )  # fmt: skip
+    active = adv != 0
+    clipped_low = None if upper_only else active & (r < 1 - low)
+    metrics = policy_metrics(inp, clipped_high=active & (r > 1 + high), clipped_low=clipped_low)
+    return loss, metrics

@@ -1,0 +1,141 @@
+"""Group Sequence Policy Optimization (Zheng et al. 2025, https://arxiv.org/abs/2507.18071).
+
+GSPO replaces PPO's per-token ratio by the length-normalised sequence ratio
+
+    s_i = (π_θ(y_i|x) / π_old(y_i|x))^{1/|y_i|} = exp((1/|y_i|) Σ_t log r_{i,t})
+
+where the mean runs over the valid tokens of sequence i only (padding never
+enters it). Both losses here use the GSPO-token construction
+
+    s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]
+
+whose value is ``s_i`` on every token and whose gradient is ``s_i ∇log π_θ(y_{i,t})``;
+averaged over a sequence's tokens this is exactly ``∇s_i``, so any
+aggregation mode gives the paper's sequence-level gradient.
+
+* ``gspo``: the paper's GSPO: one advantage per sequence, the masked
+  mean of ``advantages`` over its valid tokens (equal to ``Â_i`` for the
+  outcome estimators, which give every token of a sequence the same value);
+  the clip decision is per sequence.
+* ``gspo_token``: GSPO-token: per-token advantages ``A_{i,t}``
+  with the same sequence ratio; this is what verl's registry calls ``gspo``.
+  With advantages constant within each sequence the two are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.losses.aggregation import Count, agg_loss
+from rlmath.losses.ppo_clip import ppo_clip_regions
+from rlmath.losses.ratio import PolicyInputs, clip_bounds, policy_metrics, prepare_policy_inputs
+from rlmath.masked import masked_mean
+
+__all__ = ["compute_policy_loss_gspo", "compute_policy_loss_gspo_token", "sequence_log_ratio"]
+
+
+def sequence_log_ratio(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, *, log_ratio_clamp: float = 20.0
+) -> torch.Tensor:
+    """``clamp((1/|y_i|) Σ_t log r_{i,t}, ±log_ratio_clamp)`` per sequence, detached.
+
+    Shape: ``log_ratio`` and ``response_mask`` ``(B, T)``; result ``(B, 1)``,
+    fp32 (fp64 for fp64). A fully masked sequence gets 0.
+    """
+    mean = masked_mean(log_ratio.detach(), response_mask, axis=-1)
+    return mean.clamp(-log_ratio_clamp, log_ratio_clamp).unsqueeze(-1)
+
+
+def _gspo(
+    inp: PolicyInputs,
+    adv: torch.Tensor,
+    low: float,
+    high: float,
+    log_ratio_clamp: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    seq_lr = sequence_log_ratio(inp.log_ratio, inp.mask, log_ratio_clamp=log_ratio_clamp)
+    # Straight-through: value s_i, gradient s_i ∇log π_θ per token.
+    st_log = seq_lr + inp.log_prob - inp.log_prob.detach()
+    seq_ratio = torch.exp(st_log)
+    clipped_high, clipped_low = ppo_clip_regions(seq_ratio, adv, low, high)
+    clipped = clipped_high | clipped_low
+    loss_mat = torch.where(clipped, -adv * seq_ratio.clamp(1 - low, 1 + high), -adv * seq_ratio)
+    metrics = policy_metrics(inp, clipped_high=clipped_high, clipped_low=clipped_low)
+    metrics["seq_log_ratio_mean"] = masked_mean(seq_lr.squeeze(-1), inp.valid.any(dim=-1)).detach()
+    return inp.apply_is_weights(loss_mat), metrics
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_num_tokens: Count = None,
+    global_num_seqs: Count = None,
+    dp_size: int = 1,
+    norm_length: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO with one advantage per sequence (the masked mean of ``advantages``).
+
+    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_vanilla`
+    (no dual clip). The GSPO paper uses tiny ranges (ε_low = 3e-4,
+    ε_high = 4e-4); the defaults are verl's 0.2. The default aggregation is
+    ``seq-mean-token-mean`` (the paper's sequence mean). Extra metric:
+    ``seq_log_ratio_mean`` (mean over sequences of log s_i).
+    """
+    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    inp = prepare_policy_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+    )  # fmt: skip
+    seq_adv = masked_mean(inp.advantages, inp.mask, axis=-1).unsqueeze(-1)
+    adv = torch.where(inp.valid, seq_adv.expand_as(inp.advantages), 0)
+    loss_mat, metrics = _gspo(inp, adv, low, high, log_ratio_clamp)
+    loss = agg_loss(
+        loss_mat, response_mask, loss_agg_mode,
+        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        dp_size=dp_size, norm_length=norm_length,
+    )  # fmt: skip
+    return loss, metrics
+
+
+def compute_policy_loss_gspo_token(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_num_tokens: Count = None,
+    global_num_seqs: Count = None,
+    dp_size: int = 1,
+    norm_length: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token: the sequence ratio with per-token advantages (verl's ``gspo``).
+
+    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_gspo`.
+    """
+    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    inp = prepare_policy_inputs(
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+    )  # fmt: skip
+    loss_mat, metrics = _gspo(inp, inp.advantages, low, high, log_ratio_clamp)
+    loss = agg_loss(
+        loss_mat, response_mask, loss_agg_mode,
+        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        dp_size=dp_size, norm_length=norm_length,
+    )  # fmt: skip
+    return loss, metrics

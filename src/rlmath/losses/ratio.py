@@ -1,0 +1,170 @@
+"""Shared pieces of every policy loss: input checks, masked inputs, clamped ratios, metrics.
+
+Every policy loss starts from :func:`prepare_policy_inputs`, which replaces
+whatever sits under ``response_mask == 0`` (NaN, inf, garbage) by 0 with
+``torch.where`` before any arithmetic, so masked positions can never reach a
+value, a metric or a gradient. The log-ratio ``log π − log π_old`` is clamped
+to ``±log_ratio_clamp`` (default 20) in fp32 before ``exp`` (like verl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlmath._validation import (
+    check_in_range,
+    check_mask,
+    check_same_shape,
+    check_tensor,
+    result_dtype,
+)
+from rlmath.masked import masked_mean
+
+__all__ = [
+    "PolicyInputs",
+    "check_clip_range",
+    "clip_bounds",
+    "policy_metrics",
+    "prepare_policy_inputs",
+]
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """Masked, dtype-converted inputs of a policy loss (all of shape ``(B, T)``).
+
+    ``old_log_prob``, ``log_prob``, ``advantages`` and ``is_weights`` are 0 where
+    the mask is 0; ``log_ratio`` is their difference before clamping and
+    ``clamped_log_ratio``/``ratio`` the clamped log-ratio and its exp.
+    """
+
+    valid: torch.Tensor
+    mask: torch.Tensor
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    is_weights: torch.Tensor | None
+    log_ratio: torch.Tensor
+    clamped_log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    clamped: torch.Tensor
+
+    def zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
+
+    def frac(self, condition: torch.Tensor) -> torch.Tensor:
+        """Fraction of valid tokens where ``condition`` holds (mask weights respected)."""
+        return masked_mean(condition.to(self.log_ratio.dtype), self.mask).detach()
+
+    def apply_is_weights(self, loss_mat: torch.Tensor) -> torch.Tensor:
+        return loss_mat if self.is_weights is None else loss_mat * self.is_weights
+
+
+def prepare_policy_inputs(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    log_ratio_clamp: float = 20.0,
+    old_name: str = "old_log_prob",
+) -> PolicyInputs:
+    """Check shapes/dtypes and mask the inputs of a policy loss.
+
+    Shapes: every tensor ``(B, T)`` (any shape with tokens last works).
+    The compute dtype is fp32, or fp64 when any of the three float inputs is
+    fp64. ``rollout_is_weights`` are detached: importance weights change the
+    measure, never the objective's gradient path.
+    """
+    check_tensor(old_name, old_log_prob, floating=True)
+    check_tensor("log_prob", log_prob, floating=True)
+    check_tensor("advantages", advantages, floating=True)
+    check_same_shape(old_name, old_log_prob, "log_prob", log_prob)
+    check_same_shape("advantages", advantages, "log_prob", log_prob)
+    check_mask("response_mask", response_mask, "log_prob", log_prob)
+    if log_prob.dim() == 0:
+        raise ValueError("log_prob must have at least one dimension (tokens), got a 0-d tensor")
+    check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    dtype = result_dtype(old_log_prob, log_prob, advantages)
+    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
+    logp = torch.where(valid, log_prob.to(dtype), 0)
+    adv = torch.where(valid, advantages.detach().to(dtype), 0)
+    isw = None
+    if rollout_is_weights is not None:
+        check_tensor("rollout_is_weights", rollout_is_weights, floating=True)
+        check_same_shape("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
+        isw = torch.where(valid, rollout_is_weights.detach().to(dtype), 0)
+    log_ratio = logp - old
+    clamped_log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    clamped = log_ratio.detach().abs() > log_ratio_clamp
+    return PolicyInputs(
+        valid=valid,
+        mask=response_mask,
+        old_log_prob=old,
+        log_prob=logp,
+        advantages=adv,
+        is_weights=isw,
+        log_ratio=log_ratio,
+        clamped_log_ratio=clamped_log_ratio,
+        ratio=torch.exp(clamped_log_ratio),
+        clamped=clamped,
+    )
+
+
+def check_clip_range(name: str, value: object) -> float:
+    """A clip range ε is a finite number >= 0."""
+    return check_in_range(name, value, 0.0, None)
+
+
+def clip_bounds(
+    clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None
+) -> tuple[float, float]:
+    """``(ε_low, ε_high)``: the asymmetric ranges, each defaulting to ``clip_ratio``.
+
+    Every range must be >= 0, so the band ``[1 − ε_low, 1 + ε_high]`` is never
+    inverted; ``ε_low >= 1`` leaves no lower bound on the ratio.
+    """
+    check_clip_range("clip_ratio", clip_ratio)
+    low = check_clip_range(
+        "clip_ratio_low", clip_ratio if clip_ratio_low is None else clip_ratio_low
+    )
+    high = check_clip_range(
+        "clip_ratio_high", clip_ratio if clip_ratio_high is None else clip_ratio_high
+    )
+    return low, high
+
+
+def policy_metrics(
+    inp: PolicyInputs,
+    *,
+    clipped_high: torch.Tensor | None = None,
+    clipped_low: torch.Tensor | None = None,
+    clipped_lower: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The metrics every policy loss returns, as detached 0-d tensors.
+
+    * ``pg_clipfrac_high`` / ``pg_clipfrac_low``: fraction of valid tokens
+      whose gradient the upper (A > 0) / lower (A < 0) clip removed;
+      ``pg_clipfrac`` is their sum (sign-aware: a token outside the band whose
+      advantage sign makes the unclipped term the active one is not counted).
+    * ``pg_clipfrac_lower``: fraction cut by the dual clip (A < 0, ratio > c)
+      or, for DPPO, by the ratio truncation (verl's name).
+    * ``ppo_kl``: masked mean of ``log π_old − log π`` (clamped, like verl).
+    * ``log_ratio_clamped_frac``: fraction of valid tokens whose log-ratio
+      exceeded ``±log_ratio_clamp``.
+    """
+    zero = inp.zero()
+    high = zero if clipped_high is None else inp.frac(clipped_high)
+    low = zero if clipped_low is None else inp.frac(clipped_low)
+    return {
+        "pg_clipfrac": (high + low).detach(),
+        "pg_clipfrac_high": high,
+        "pg_clipfrac_low": low,
+        "pg_clipfrac_lower": zero if clipped_lower is None else inp.frac(clipped_lower),
+        "ppo_kl": masked_mean(-inp.clamped_log_ratio.detach(), inp.mask).detach(),
+        "log_ratio_clamped_frac": inp.frac(inp.clamped),
+    }

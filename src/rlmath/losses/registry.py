@@ -1,0 +1,89 @@
+"""Policy-loss registry: names (verl's, plus ``gspo_token`` and ``reinforce``) to functions.
+
+Every registered function has the signature
+``fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode=...,
+<its own keyword scalars>, rollout_is_weights=None, global_num_tokens=None,
+global_num_seqs=None, dp_size=1, norm_length=None, log_ratio_clamp=20.0)
+-> (loss, metrics)``; the registry only maps names, it does not wrap them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlmath.losses.cispo import compute_policy_loss_cispo
+from rlmath.losses.clip_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
+from rlmath.losses.dppo import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
+from rlmath.losses.dro import compute_policy_loss_dro
+from rlmath.losses.geo_mean import compute_policy_loss_geo_mean
+from rlmath.losses.gpg import compute_policy_loss_gpg
+from rlmath.losses.gspo import compute_policy_loss_gspo, compute_policy_loss_gspo_token
+from rlmath.losses.ppo_clip import compute_policy_loss_vanilla
+from rlmath.losses.reinforce import compute_policy_loss_reinforce
+from rlmath.losses.sapo import compute_policy_loss_sapo
+
+__all__ = ["get_policy_loss", "get_policy_loss_fn", "list_policy_losses", "register_policy_loss"]
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+_REGISTRY: dict[str, PolicyLossFn] = {
+    "vanilla": compute_policy_loss_vanilla,
+    "gspo": compute_policy_loss_gspo,
+    "gspo_token": compute_policy_loss_gspo_token,
+    "sapo": compute_policy_loss_sapo,
+    "gpg": compute_policy_loss_gpg,
+    "clip_cov": compute_policy_loss_clip_cov,
+    "kl_cov": compute_policy_loss_kl_cov,
+    "geo_mean": compute_policy_loss_geo_mean,
+    "cispo": compute_policy_loss_cispo,
+    "dppo_tv": compute_policy_loss_dppo_tv,
+    "dppo_kl": compute_policy_loss_dppo_kl,
+    "dro": compute_policy_loss_dro,
+    "reinforce": compute_policy_loss_reinforce,
+}
+
+
+def list_policy_losses() -> tuple[str, ...]:
+    """Every registered policy-loss name, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered under ``name``; unknown names raise listing the valid ones."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(
+            f"unknown policy loss {name!r}; valid values are: {', '.join(list_policy_losses())}"
+        )
+    return _REGISTRY[name]
+
+
+#: verl's name for :func:`get_policy_loss`.
+get_policy_loss_fn = get_policy_loss
+
+
+def register_policy_loss(
+    name: str, *, override: bool = False
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a user policy loss under ``name``.
+
+    Re-registering an existing name raises unless ``override=True`` (verl
+    silently replaces it). The function is returned unchanged.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if not callable(fn):
+            raise TypeError(
+                f"register_policy_loss({name!r}) needs a callable, got {type(fn).__name__}"
+            )
+        if name in _REGISTRY and not override and _REGISTRY[name] is not fn:
+            raise ValueError(
+                f"policy loss {name!r} is already registered; pass override=True to replace it"
+            )
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
