@@ -1,3 +1,189 @@
-"""(being written)"""
+"""Per-token KL estimators between the policy and a reference policy.
 
-__all__: list[str] = []
+Given the log-probabilities that the policy π and the reference π_ref assign
+to the *sampled* token x ~ π, each estimator is a single-sample estimate built
+from the log-ratio ``d = log π(x) − log π_ref(x)`` (J. Schulman, "Approximating
+KL divergence", 2020, http://joschu.net/blog/kl-approx.html):
+
+====================  =============================  ==============================
+name                  value                          E_{x~π}[value]
+====================  =============================  ==============================
+``k1`` / ``kl``        ``d``                          KL(π‖π_ref), high variance
+``abs``                ``|d|``                        ≥ KL(π‖π_ref), a heuristic
+``k2`` / ``mse``       ``d² / 2``                     ≈ KL(π‖π_ref) to second order
+``k3`` / ``low_var_kl`` ``e^{−d} − 1 + d``             KL(π‖π_ref), ≥ 0, low variance
+====================  =============================  ==============================
+
+What their *gradients* estimate is a different matter. A trainer adds
+``estimator(log π_θ(x), log π_ref(x))`` to the loss for sampled x and
+differentiates through ``log π_θ(x)`` only (no score-function term for the
+sampling). Then, exactly, in expectation over x ~ π:
+
+* ``k2``: ``E[d ∇log π] = ∇ KL(π‖π_ref)`` — the correct gradient;
+* ``k1``: ``E[∇log π] = 0`` — no gradient at all in expectation;
+* ``k3``: ``E[(1 − π_ref/π) ∇log π] = ∇ KL(π_ref‖π)`` — the *reverse* KL's gradient;
+* ``abs``: ``E[sign(d) ∇log π]`` — not a KL gradient.
+
+A ``+`` suffix (``k1+``, ``k3+``, ...) keeps the estimator's value but takes
+k2's gradient through a straight-through term, so every ``+`` estimator has
+the correct expected gradient ∇KL(π‖π_ref). ``tests/test_kl.py`` checks all of
+these statements by exact enumeration over a small categorical distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath._validation import (
+    check_choice,
+    check_in_range,
+    check_mask,
+    check_same_shape,
+    check_tensor,
+    result_dtype,
+)
+
+__all__ = ["KL_ESTIMATORS", "kl_penalty"]
+
+_BASE = {
+    "k1": "k1",
+    "kl": "k1",
+    "abs": "abs",
+    "k2": "k2",
+    "mse": "k2",
+    "k3": "k3",
+    "low_var_kl": "k3",
+}
+
+#: Every name accepted by :func:`kl_penalty`.
+KL_ESTIMATORS: tuple[str, ...] = tuple(sorted([*_BASE, *(name + "+" for name in _BASE)]))
+
+
+def kl_penalty(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    estimator: str = "k1",
+    *,
+    log_ratio_clamp: float = 20.0,
+    k3_max: float | None = 10.0,
+    old_log_prob: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    kl_penalty: str | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probs.
+
+    See the module docstring for what each estimator's value and gradient
+    estimate. The computation runs in fp32 (fp64 if an input is fp64) whatever
+    the input dtype.
+
+    * ``k3``/``low_var_kl`` is computed as ``expm1(x) − x`` with
+      ``x = clamp(ref_logprob − logprob, ±log_ratio_clamp)`` (accurate near 0,
+      no overflow), then clamped from above at ``k3_max`` like verl. With the
+      default 10 the clamp is active where ``x > 2.61`` (π_ref/π > 13.6) or
+      ``x < −11``; there the value is flat and **its gradient is zero**, so a
+      token whose probability the policy has pushed far below the reference
+      gets no KL pull back. ``k3_max=None`` disables the clamp; ``k3+`` keeps
+      its gradient (k2's) in that zone.
+    * ``+`` estimators return ``k2 − sg(k2) + sg(value)`` (sg = stop-gradient):
+      the exact value of the base estimator with k2's gradient.
+    * ``old_log_prob`` (``k3``/``low_var_kl`` only) turns on the importance
+      correction for tokens sampled from an older policy π_old (DeepSeek-V3.2,
+      2025): the result is ``w · k3`` with ``w = π/π_old =
+      exp(clamp(logprob − old_log_prob, ±log_ratio_clamp))``. The weight is
+      **not** detached: since ``E_{π_old}[w · k3] = E_π[k3] = KL(π‖π_ref)``
+      for every θ, differentiating through ``w`` makes the expected gradient
+      exactly ∇KL(π‖π_ref) (with a detached weight it would be ∇KL(π_ref‖π),
+      the same biased gradient as plain k3).
+    * ``response_mask`` (optional) makes masked positions exactly 0 and keeps
+      NaN/inf there out of every value and gradient (inputs are selected with
+      ``torch.where`` before any arithmetic). Without it the function is
+      purely element-wise; a later masked reduction then hides masked values,
+      but the gradient at a masked position holding NaN/inf is ``0 · NaN``.
+    * ``"full"`` needs whole distributions, not sampled log-probs: use
+      ``rlmath.kl_from_logits(logits, ref_logits)``.
+
+    Migrating from verl: verl's third parameter is called ``kl_penalty`` and
+    its call sites pass it by keyword, ``kl_penalty(lp, ref, kl_penalty="k3")``;
+    that keyword is accepted here as an alias of ``estimator`` (give one, not both).
+
+    Args:
+        logprob: log π(x) of the sampled tokens. Shape ``(*)`` (``(B, T)``), float.
+        ref_logprob: log π_ref(x), same shape, float.
+        estimator: one of :data:`KL_ESTIMATORS`. Default ``"k1"``.
+        log_ratio_clamp: bound on ``|log-ratio|`` before any exponential (> 0).
+        k3_max: upper clamp of k3's value (> 0), or None for no clamp.
+        old_log_prob: log π_old(x) of the sampling policy, same shape, or None.
+        response_mask: None, or bool/0-1 of the same shape, nonzero = valid.
+        kl_penalty: verl's name for ``estimator`` (keyword only).
+
+    Returns:
+        Shape ``(*)``; fp32, or fp64 if any input is fp64; 0 where
+        ``response_mask`` is 0. Element-wise: a NaN at one position affects
+        that position only.
+    """
+    if kl_penalty is not None:
+        if estimator != "k1" and estimator != kl_penalty:
+            raise ValueError(
+                f"give the estimator once: estimator={estimator!r} and "
+                f"kl_penalty={kl_penalty!r} (kl_penalty is verl's name for estimator)"
+            )
+        estimator = kl_penalty
+    if estimator in ("full", "full+"):
+        raise ValueError(
+            "estimator 'full' is the exact KL over the vocabulary and needs the logits, "
+            "not the sampled tokens' log-probs: call rlmath.kl_from_logits(logits, ref_logits)"
+        )
+    check_choice("estimator", estimator, KL_ESTIMATORS)
+    check_tensor("logprob", logprob, floating=True)
+    check_tensor("ref_logprob", ref_logprob, floating=True)
+    check_same_shape("ref_logprob", ref_logprob, "logprob", logprob)
+    clamp = check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    if k3_max is not None:
+        k3_max = check_in_range("k3_max", k3_max, 0.0, None, low_inclusive=False)
+    tensors = [logprob, ref_logprob]
+    if old_log_prob is not None:
+        if estimator not in ("k3", "low_var_kl"):
+            raise ValueError(
+                "old_log_prob (importance-corrected KL) is only defined for estimator "
+                f"'k3' / 'low_var_kl', got estimator={estimator!r}"
+            )
+        check_tensor("old_log_prob", old_log_prob, floating=True)
+        check_same_shape("old_log_prob", old_log_prob, "logprob", logprob)
+        tensors.append(old_log_prob)
+
+    dtype = result_dtype(*tensors)
+    logp = logprob.to(dtype)
+    ref = ref_logprob.to(dtype)
+    old = None if old_log_prob is None else old_log_prob.to(dtype)
+    valid = None
+    if response_mask is not None:
+        check_mask("response_mask", response_mask, "logprob", logprob)
+        valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+        logp = torch.where(valid, logp, 0)
+        ref = torch.where(valid, ref, 0)
+        old = None if old is None else torch.where(valid, old, 0)
+    base = _BASE[estimator.removesuffix("+")]
+
+    if base == "k1":
+        value = logp - ref
+    elif base == "abs":
+        value = (logp - ref).abs()
+    elif base == "k2":
+        value = 0.5 * (logp - ref).square()
+    else:
+        x = (ref - logp).clamp(-clamp, clamp)
+        value = torch.expm1(x) - x  # = π_ref/π − 1 − log(π_ref/π) ≥ 0
+        if k3_max is not None:
+            value = value.clamp(max=k3_max)
+
+    if old is not None:
+        log_w = (logp - old).clamp(-clamp, clamp)
+        value = torch.exp(log_w) * value
+
+    if estimator.endswith("+") and base != "k2":
+        k2 = 0.5 * (logp - ref).square()
+        # Adding (k2 − sg(k2)), exactly 0, keeps the value bit-identical to the estimator's.
+        value = (k2 - k2.detach()) + value.detach()
+    if valid is not None:
+        value = torch.where(valid, value, 0)
+    return value

@@ -1,3 +1,97 @@
-"""(being written)"""
+"""KL coefficient controllers: the β in ``reward − β·KL``.
 
-__all__: list[str] = []
+Both controllers expose the current coefficient as ``.value`` (a Python
+float) and an ``update(current_kl, n_steps)`` method, so a trainer can swap
+one for the other. They run once per training step, outside the tensor math:
+``current_kl`` may be a 0-d tensor, and reading it with ``float()`` here is
+the one host sync per step that the update needs.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+
+import torch
+
+from rlmath._validation import check_in_range
+
+__all__ = ["AdaptiveKLController", "FixedKLController"]
+
+
+def _check_update_args(current_kl: object, n_steps: object) -> tuple[float, int]:
+    if isinstance(current_kl, torch.Tensor):
+        if current_kl.numel() != 1:
+            raise ValueError(
+                f"current_kl must be a number or a 1-element tensor, got shape "
+                f"{tuple(current_kl.shape)}"
+            )
+        current_kl = float(current_kl)  # host sync, once per training step
+    elif isinstance(current_kl, Real) and not isinstance(current_kl, bool):
+        current_kl = float(current_kl)  # numpy scalars
+    kl = check_in_range("current_kl", current_kl)
+    if isinstance(n_steps, bool) or not isinstance(n_steps, Integral):
+        raise TypeError(f"n_steps must be an int, got {type(n_steps).__name__}")
+    if n_steps < 0:
+        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+    return kl, int(n_steps)
+
+
+class FixedKLController:
+    """A constant KL coefficient; ``update`` checks its arguments and changes nothing.
+
+    Args:
+        kl_coef: the coefficient β, a finite number ``>= 0``.
+    """
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value: float = check_in_range("kl_coef", kl_coef, 0.0, None)
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        """Validate the arguments like :class:`AdaptiveKLController` does; β stays fixed."""
+        _check_update_args(current_kl, n_steps)
+
+    def __repr__(self) -> str:
+        return f"FixedKLController(kl_coef={self.value!r})"
+
+
+class AdaptiveKLController:
+    """Proportional controller that steers the measured KL towards a target.
+
+    Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"
+    (https://arxiv.org/abs/1909.08593), section 2.2: after each step,
+
+        e = clip(current_kl / target_kl − 1, −0.2, 0.2)
+        β ← β · (1 + e · n_steps / horizon)
+
+    so β grows when the KL is above target and shrinks when below, by at most
+    20 % per ``horizon`` steps. ``n_steps`` is the number of samples (or steps)
+    the measurement covers; verl passes the batch size.
+
+    Args:
+        init_kl_coef: initial β, finite, ``>= 0``.
+        target_kl: the KL to aim for, ``> 0``.
+        horizon: the time constant in the same unit as ``n_steps``, ``> 0``.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        self.value: float = check_in_range("init_kl_coef", init_kl_coef, 0.0, None)
+        self.target: float = check_in_range("target_kl", target_kl, 0.0, None, low_inclusive=False)
+        self.horizon: float = check_in_range("horizon", horizon, 0.0, None, low_inclusive=False)
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        """Apply one Ziegler et al. update to ``.value``.
+
+        Args:
+            current_kl: the measured KL, a finite Python number or a 1-element
+                tensor (read with ``float()``: one host sync).
+            n_steps: how many samples/steps the measurement covers, an int ``>= 0``.
+        """
+        kl, n = _check_update_args(current_kl, n_steps)
+        error = min(max(kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n / self.horizon
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveKLController(value={self.value!r}, target_kl={self.target!r}, "
+            f"horizon={self.horizon!r})"
+        )

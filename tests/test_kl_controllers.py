@@ -1,0 +1,95 @@
+"""Fixed and adaptive KL controllers against the Ziegler et al. (2019) update written out here."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlmath import AdaptiveKLController, FixedKLController
+
+
+def ref_adaptive(beta, target, horizon, updates):
+    """β ← β·(1 + clip(kl/target − 1, −0.2, 0.2)·n/horizon), step by step."""
+    out = []
+    for kl, n in updates:
+        error = kl / target - 1
+        error = -0.2 if error < -0.2 else 0.2 if error > 0.2 else error
+        beta = beta * (1 + error * n / horizon)
+        out.append(beta)
+    return out
+
+
+def test_adaptive_matches_reference_sequence():
+    updates = [(6.0, 256), (12.0, 256), (0.0, 256), (6.6, 64), (5.1, 1), (100.0, 0)]
+    ctrl = AdaptiveKLController(0.2, 6.0, 10000)
+    values = []
+    for kl, n in updates:
+        ctrl.update(kl, n)
+        values.append(ctrl.value)
+    assert values == pytest.approx(ref_adaptive(0.2, 6.0, 10000, updates), rel=1e-15)
+    assert isinstance(ctrl.value, float)
+
+
+def test_adaptive_clip_boundaries_and_direction():
+    high = AdaptiveKLController(1.0, 1.0, 100)
+    high.update(50.0, 10)  # error clipped to +0.2: β·(1 + 0.2·0.1)
+    assert high.value == pytest.approx(1.02)
+    low = AdaptiveKLController(1.0, 1.0, 100)
+    low.update(0.0, 10)  # error clipped to −0.2
+    assert low.value == pytest.approx(0.98)
+    on_target = AdaptiveKLController(0.5, 2.0, 100)
+    on_target.update(2.0, 1000)
+    assert on_target.value == 0.5
+    inside = AdaptiveKLController(1.0, 1.0, 100)
+    inside.update(1.1, 100)  # error 0.1, n/horizon 1
+    assert inside.value == pytest.approx(1.1)
+
+
+def test_adaptive_steers_kl_to_target():
+    """A KL that falls as β grows (kl = c/β): the controller settles where kl = target."""
+    ctrl = AdaptiveKLController(0.05, target_kl=0.1, horizon=1000)
+    for _ in range(3000):
+        ctrl.update(0.02 / ctrl.value, 64)
+    assert 0.02 / ctrl.value == pytest.approx(0.1, rel=1e-3)
+
+
+def test_tensor_and_numpy_kl_are_accepted():
+    a, b, c = (AdaptiveKLController(0.1, 3.0, 500) for _ in range(3))
+    a.update(4.5, 32)
+    b.update(torch.tensor(4.5, dtype=torch.float64), 32)
+    c.update(np.float32(4.5), 32)
+    assert a.value == b.value == c.value
+    b.update(torch.tensor([4.5]), 32)  # a 1-element tensor is fine too
+
+
+def test_fixed_controller():
+    ctrl = FixedKLController(0.05)
+    for kl in (0.0, 1.0, 100.0):
+        ctrl.update(kl, 128)
+        ctrl.update(torch.tensor(kl), 128)
+    assert ctrl.value == 0.05 and isinstance(ctrl.value, float)
+    assert "0.05" in repr(ctrl)
+    assert "AdaptiveKLController" in repr(AdaptiveKLController(0.1, 1.0, 10))
+
+
+def test_bad_input_messages():
+    with pytest.raises(ValueError, match="kl_coef"):
+        FixedKLController(-0.1)
+    with pytest.raises(TypeError, match="kl_coef"):
+        FixedKLController("0.1")
+    with pytest.raises(ValueError, match="init_kl_coef"):
+        AdaptiveKLController(float("nan"), 1.0, 10)
+    with pytest.raises(ValueError, match="target_kl"):
+        AdaptiveKLController(0.1, 0.0, 10)
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLController(0.1, 1.0, 0)
+    for ctrl in (FixedKLController(0.1), AdaptiveKLController(0.1, 1.0, 10)):
+        with pytest.raises(ValueError, match="current_kl"):
+            ctrl.update(float("nan"), 1)
+        with pytest.raises(ValueError, match="current_kl"):
+            ctrl.update(torch.tensor([1.0, 2.0]), 1)
+        with pytest.raises(TypeError, match="current_kl"):
+            ctrl.update("1.0", 1)
+        with pytest.raises(ValueError, match="n_steps"):
+            ctrl.update(1.0, -1)
+        with pytest.raises(TypeError, match="n_steps"):
+            ctrl.update(1.0, 2.5)
