@@ -1,0 +1,143 @@
+"""Private helpers shared by the advantage estimators.
+
+Input checks for ``[B, T]`` token tensors, the masked batch whitening every
+estimator that whitens goes through, and the "compress the valid tokens to the
+left" transform that gives multi-turn semantics (masked tokens skipped) to
+every recurrence over time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from rlmath._validation import (
+    check_in_range,
+    check_mask,
+    check_same_shape,
+    check_tensor,
+    result_dtype,
+)
+from rlmath.advantages.groups import group_ids
+from rlmath.masked import masked_whiten
+
+__all__: list[str] = []
+
+
+def check_token_inputs(
+    token_level_rewards: object, response_mask: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``[B, T]`` rewards and mask; return the rewards and a bool mask."""
+    rewards = check_tensor("token_level_rewards", token_level_rewards, floating=True)
+    if rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must have shape (B, T), got {tuple(rewards.shape)}")
+    if rewards.shape[0] == 0:
+        raise ValueError("token_level_rewards is an empty batch (B = 0); expected B >= 1")
+    mask = check_mask("response_mask", response_mask, "token_level_rewards", rewards)
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    return rewards, valid
+
+
+def check_token_tensor(name: str, x: object, rewards: torch.Tensor) -> torch.Tensor:
+    """A floating tensor of the rewards' shape and device."""
+    t = check_tensor(name, x, floating=True)
+    check_same_shape(name, t, "token_level_rewards", rewards)
+    if t.device != rewards.device:
+        raise ValueError(f"{name} is on {t.device} but token_level_rewards is on {rewards.device}")
+    return t
+
+
+def as_unit_scalar(name: str, value: object) -> float:
+    """A Python float in ``[0, 1]``; a 0-d tensor is read once (a host sync on GPU)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = float(value.item())
+    return check_in_range(name, value, 0.0, 1.0)
+
+
+def valid_values(x: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` at valid positions and exactly 0 elsewhere (NaN/inf under mask do not leak)."""
+    return torch.where(valid, x.to(dtype), 0)
+
+
+def whiten_batch(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Masked whitening over every valid token of the batch (unbiased var, eps 1e-8).
+
+    The single place where estimators whiten over the batch (GAE,
+    REINFORCE++, REINFORCE++-baseline, GDPO), so that a data-parallel version
+    (statistics all-reduced over a process group) changes only this function.
+    Masked positions are exactly 0 in the result.
+    """
+    return masked_whiten(values, valid)
+
+
+def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``y[:, t] = Σ_{s ≥ t} x[:, s]``, accumulated right to left (no cancellation)."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+class ValidTokens:
+    """Positions of the valid tokens of each row, packed to the left.
+
+    The ``k``-th valid token of row ``b`` sits at packed column ``k``; packed
+    columns past the row's number of valid tokens are 0, and the packed width
+    is ``T + 1`` so that "the next valid token" of the last one reads a 0.
+    Running a recurrence over packed columns skips masked tokens exactly: one
+    step per valid transition, nothing read from masked positions.
+    """
+
+    def __init__(self, valid: torch.Tensor) -> None:
+        self.valid = valid
+        self.batch, self.length = valid.shape
+        counts = valid.cumsum(-1)
+        self.lengths = counts[:, -1] if self.length else counts.new_zeros(self.batch)
+        # Masked positions are sent to the spare last column, which only ever
+        # receives zeros and is never gathered back at a valid position.
+        self.column = torch.where(valid, counts - 1, self.length)
+        self._source = torch.where(valid, counts - 1, 0)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` → ``[B, T + 1]`` packed to the left.
+
+        ``x`` must be 0 at masked positions (they all land in the spare column).
+        """
+        out = x.new_zeros((self.batch, self.length + 1))
+        return out.scatter_(1, self.column, x)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` or ``[B, T + 1]`` packed → ``[B, T]`` at the original positions.
+
+        Masked positions are exactly 0.
+        """
+        x = packed.gather(1, self._source)
+        return torch.where(self.valid, x, 0)
+
+
+class OutcomeInputs(NamedTuple):
+    """Validated inputs of an outcome estimator."""
+
+    rewards: torch.Tensor
+    """``(B, T)`` token rewards in the result dtype, 0 at masked positions."""
+    valid: torch.Tensor
+    """``(B, T)`` bool mask."""
+    scores: torch.Tensor
+    """``(B,)`` sum of the valid token rewards."""
+    ids: torch.Tensor | None
+    """``(B,)`` dense group ids (None when no index was given)."""
+
+
+def outcome_inputs(
+    token_level_rewards: object, response_mask: object, index: Any = None, *, grouped: bool = True
+) -> OutcomeInputs:
+    """Check an outcome estimator's inputs and compute the per-sample scores."""
+    rewards, valid = check_token_inputs(token_level_rewards, response_mask)
+    r = valid_values(rewards, valid, result_dtype(rewards))
+    ids = group_ids(index, rewards.shape[0], rewards.device) if grouped else None
+    return OutcomeInputs(rewards=r, valid=valid, scores=r.sum(-1), ids=ids)
+
+
+def broadcast_to_tokens(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere."""
+    return torch.where(valid, per_sample.unsqueeze(-1), 0)

@@ -1,0 +1,124 @@
+"""Generalized Advantage Estimation (Schulman et al., 2016, arXiv:1506.02438).
+
+Multi-turn semantics (as verl's): tokens with ``response_mask = 0`` (tool
+outputs, observations, padding) are skipped. The recursion runs over the
+subsequence of valid tokens, one ``γλ`` step per valid transition, each TD
+error bootstraps from the value of the *next valid* token (0 after the last
+one), and rewards and values at masked positions are never read.
+
+The vectorized version packs each row's valid tokens to the left (one scatter)
+and solves ``A[k] = δ[k] + γλ · A[k+1]`` with the tree scan of
+:mod:`rlmath.advantages.scan`: ``O(B·T)`` work, ``O(log T)`` sequential depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath._validation import result_dtype
+from rlmath.advantages._common import (
+    ValidTokens,
+    as_unit_scalar,
+    check_token_inputs,
+    check_token_tensor,
+    valid_values,
+    whiten_batch,
+)
+from rlmath.advantages.registry import register_advantage_estimator
+from rlmath.advantages.scan import _reverse_scan
+from rlmath.masked import masked_whiten
+
+__all__ = ["compute_gae_advantage_return", "compute_gae_advantage_return_reference"]
+
+
+@register_advantage_estimator("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and value targets over the valid tokens of each response.
+
+    ``δ[k] = r[k] + γ·V[k+1] − V[k]`` and ``A[k] = δ[k] + γλ·A[k+1]`` where
+    ``k`` runs over the valid tokens of a row in order (``V`` past the last
+    valid token is 0). Returns are ``A + V`` before whitening; advantages are
+    then whitened over all valid tokens of the batch (masked mean, unbiased
+    variance, eps 1e-8) when ``whiten`` is True.
+
+    Unlike verl, advantages and returns are exactly 0 at masked positions
+    (verl leaves the carried advantage and ``A + V`` there).
+
+    Args:
+        token_level_rewards: Shape ``(B, T)``, floating.
+        values: Shape ``(B, T)``, floating; critic values ``V(s_t)``.
+        response_mask: Shape ``(B, T)``, bool or 0/1; 1 = valid token.
+        gamma: Discount ``γ`` in ``[0, 1]`` (float or 0-d tensor).
+        lam: GAE ``λ`` in ``[0, 1]`` (float or 0-d tensor).
+        whiten: Whiten the advantages over the batch (verl always does).
+
+    Returns:
+        ``(advantages, returns)``, each shape ``(B, T)``, fp32 (fp64 when an
+        input is fp64), 0 at masked positions. No autograd graph.
+    """
+    rewards, valid = check_token_inputs(token_level_rewards, response_mask)
+    values = check_token_tensor("values", values, rewards)
+    g = as_unit_scalar("gamma", gamma)
+    gl = g * as_unit_scalar("lam", lam)
+    dtype = result_dtype(rewards, values)
+    r = valid_values(rewards, valid, dtype)
+    v = valid_values(values, valid, dtype)
+
+    tokens = ValidTokens(valid)
+    r_packed, v_packed = tokens.pack(r), tokens.pack(v)
+    # Packed column k+1 holds the next valid token's value (0 past the last).
+    delta = torch.add(r_packed[:, :-1], v_packed[:, 1:], alpha=g).sub_(v_packed[:, :-1])
+    advantages = tokens.unpack(_reverse_scan(delta, gl))
+    returns = torch.where(valid, advantages + v, 0)
+    if whiten:
+        advantages = whiten_batch(advantages, valid)
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_gae_advantage_return_reference(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook backward loop over ``t`` with the same semantics, for tests.
+
+    Same arguments, outputs and dtypes as :func:`compute_gae_advantage_return`;
+    ``O(T)`` Python steps. Masked steps carry the running advantage and the
+    next valid value through unchanged.
+    """
+    rewards, valid = check_token_inputs(token_level_rewards, response_mask)
+    values = check_token_tensor("values", values, rewards)
+    g = as_unit_scalar("gamma", gamma)
+    lam_ = as_unit_scalar("lam", lam)
+    dtype = result_dtype(rewards, values)
+    r = valid_values(rewards, valid, dtype)
+    v = valid_values(values, valid, dtype)
+    batch, length = r.shape
+    advantages = torch.zeros_like(r)
+    next_value = r.new_zeros(batch)
+    running = r.new_zeros(batch)
+    for t in reversed(range(length)):
+        keep = valid[:, t]
+        delta = r[:, t] + g * next_value - v[:, t]
+        step = delta + g * lam_ * running
+        advantages[:, t] = torch.where(keep, step, 0)
+        running = torch.where(keep, step, running)
+        next_value = torch.where(keep, v[:, t], next_value)
+    returns = torch.where(valid, advantages + v, 0)
+    if whiten:
+        advantages = masked_whiten(advantages, valid)
+    return advantages, returns

@@ -1,0 +1,60 @@
+"""GPG: group policy gradient (Chu et al., 2025, arXiv:2504.02546)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlmath._validation import check_finite_scalar, check_in_range
+from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
+from rlmath.advantages.groups import group_moments
+from rlmath.advantages.registry import register_advantage_estimator
+
+__all__ = ["compute_gpg_outcome_advantage"]
+
+
+@register_advantage_estimator("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``α · (s − mean_g) / F_norm``, with ``α = B / #{i : s_i ≠ 0}`` by default.
+
+    The default ``α`` rescales the gradient by the fraction of samples that
+    carry a non-zero score, as verl computes it (verl ignores its ``alpha``
+    argument and always uses this value; here ``alpha=None`` means that, and a
+    number is used as given). Singleton and all-equal groups give exactly 0.
+
+    Args:
+        token_level_rewards: Shape ``(B, T)``, floating; score = sum over valid tokens.
+        response_mask: Shape ``(B, T)``, bool or 0/1.
+        index: Group id per sample (tensor, numpy array or list of hashable ids).
+        epsilon: Unused; kept for verl's signature.
+        f_norm: ``F_norm``, a non-zero finite number.
+        alpha: ``α``; None = ``B / max(1, #{s_i ≠ 0})`` (a 0-d tensor, no host sync).
+
+    Returns:
+        ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
+        (fp64 for fp64 rewards), 0 at masked positions.
+    """
+    check_in_range("epsilon", epsilon, 0.0, None)
+    norm = check_finite_scalar("f_norm", f_norm)
+    if norm == 0:
+        raise ValueError("f_norm must be non-zero, got 0")
+    x = outcome_inputs(token_level_rewards, response_mask, index)
+    assert x.ids is not None
+    s = x.scores
+    if alpha is None:
+        nonzero = torch.count_nonzero(s).clamp(min=1).to(s.dtype)
+        scale: torch.Tensor | float = s.shape[0] / nonzero
+    else:
+        scale = check_finite_scalar("alpha", alpha)
+    scalar = scale * group_moments(s, x.ids).centered / norm
+    advantages = broadcast_to_tokens(scalar, x.valid)
+    return advantages, advantages

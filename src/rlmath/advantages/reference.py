@@ -1,0 +1,307 @@
+"""Straightforward loop implementations of the outcome estimators, for tests and benchmarks.
+
+Each function has the signature and semantics of its vectorized counterpart
+and is written from the math with plain Python loops over samples, groups and
+time steps, in fp64 Python floats (results cast to the vectorized function's
+output dtype). They are slow on purpose: they are the oracle, and the
+"per-sample Python loop" the benchmarks compare against. GAE's reference
+loop lives beside GAE (:func:`rlmath.advantages.compute_gae_advantage_return_reference`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from rlmath._validation import result_dtype
+from rlmath.masked import masked_whiten
+
+__all__ = [
+    "gdpo_reference",
+    "gpg_reference",
+    "grpo_passk_reference",
+    "grpo_reference",
+    "opo_reference",
+    "optimal_token_baseline_reference",
+    "reinforce_plus_plus_baseline_reference",
+    "reinforce_plus_plus_reference",
+    "remax_reference",
+    "rloo_reference",
+]
+
+Rows = list[list[float]]
+
+
+def _keys(index: Any) -> list[Hashable]:
+    if isinstance(index, torch.Tensor):
+        return index.tolist()
+    if hasattr(index, "tolist"):
+        return index.tolist()
+    return list(index)
+
+
+def _groups(index: Any) -> dict[Hashable, list[int]]:
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(_keys(index)):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _rows(x: torch.Tensor) -> Rows:
+    return x.detach().to("cpu", torch.float64).tolist()
+
+
+def _mask_rows(mask: torch.Tensor) -> list[list[bool]]:
+    return (mask != 0).cpu().tolist()
+
+
+def _scores(rewards: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    out = []
+    for r_row, m_row in zip(_rows(rewards), _mask_rows(mask)):
+        out.append(math.fsum(r for r, m in zip(r_row, m_row) if m))
+    return out
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and unbiased std; std 0 for fewer than two values."""
+    mean = math.fsum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _flat(xs: Sequence[float]) -> bool:
+    """A singleton or all-equal group: no learning signal."""
+    return all(x == xs[0] for x in xs)
+
+
+def _to_tokens(per_sample: Sequence[float], mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows = [[v if m else 0.0 for m in m_row] for v, m_row in zip(per_sample, _mask_rows(mask))]
+    return torch.tensor(rows, dtype=dtype).reshape(mask.shape).to(mask.device)
+
+
+def _outcome(per_sample: Sequence[float], rewards: torch.Tensor, mask: torch.Tensor):
+    adv = _to_tokens(per_sample, mask, result_dtype(rewards))
+    return adv, adv
+
+
+def grpo_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+    scores = _scores(rewards, mask)
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        xs = [scores[i] for i in members]
+        if _flat(xs):
+            continue
+        mean, std = _mean_std(xs)
+        for i in members:
+            adv[i] = (scores[i] - mean) / (std + epsilon if norm_adv_by_std_in_grpo else 1.0)
+    return _outcome(adv, rewards, mask)
+
+
+def grpo_passk_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+    scores = _scores(rewards, mask)
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        xs = sorted((scores[i] for i in members), reverse=True)
+        if len(xs) < 2 or xs[0] == xs[1]:
+            continue
+        best = max(members, key=lambda i: scores[i])
+        gap = xs[0] - xs[1]
+        adv[best] = gap / (_mean_std(xs)[1] + epsilon) if norm_adv_by_std_in_grpo else gap
+    return _outcome(adv, rewards, mask)
+
+
+def rloo_reference(rewards, mask, index, epsilon=1e-6):
+    scores = _scores(rewards, mask)
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        if _flat([scores[i] for i in members]):
+            continue
+        for i in members:
+            others = [scores[j] for j in members if j != i]
+            adv[i] = scores[i] - math.fsum(others) / len(others)
+    return _outcome(adv, rewards, mask)
+
+
+def opo_reference(rewards, mask, index, epsilon=1e-6):
+    scores = _scores(rewards, mask)
+    lengths = [sum(row) for row in _mask_rows(mask)]
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        if _flat([scores[i] for i in members]):
+            continue
+        total = sum(lengths[i] for i in members)
+        baseline = math.fsum(lengths[i] * scores[i] for i in members) / total if total else 0.0
+        for i in members:
+            adv[i] = scores[i] - baseline
+    return _outcome(adv, rewards, mask)
+
+
+def gpg_reference(rewards, mask, index, epsilon=1e-6, f_norm=1.0, alpha=None):
+    scores = _scores(rewards, mask)
+    if alpha is None:
+        alpha = len(scores) / max(1, sum(1 for s in scores if s != 0))
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        xs = [scores[i] for i in members]
+        if _flat(xs):
+            continue
+        mean = math.fsum(xs) / len(xs)
+        for i in members:
+            adv[i] = alpha * (scores[i] - mean) / f_norm
+    return _outcome(adv, rewards, mask)
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> Rows:
+    """Backward loop; masked steps carry the running return unchanged and read nothing."""
+    out = []
+    for r_row, m_row in zip(_rows(rewards), _mask_rows(mask)):
+        running, row = 0.0, [0.0] * len(r_row)
+        for t in reversed(range(len(r_row))):
+            if m_row[t]:
+                running = r_row[t] + gamma * running
+                row[t] = running
+        out.append(row)
+    return out
+
+
+def reinforce_plus_plus_reference(rewards, mask, *, gamma=1.0):
+    dtype = result_dtype(rewards)
+    returns = torch.tensor(_discounted_returns(rewards, mask, gamma), dtype=dtype)
+    returns = returns.reshape(rewards.shape)
+    return masked_whiten(returns, mask != 0), returns
+
+
+def reinforce_plus_plus_baseline_reference(rewards, mask, index, epsilon=1e-6):
+    scores = _scores(rewards, mask)
+    centered = [0.0] * len(scores)
+    for members in _groups(index).values():
+        xs = [scores[i] for i in members]
+        if _flat(xs):
+            continue
+        mean = math.fsum(xs) / len(xs)
+        for i in members:
+            centered[i] = scores[i] - mean
+    tokens = _to_tokens(centered, mask, result_dtype(rewards))
+    adv = masked_whiten(tokens, mask != 0)
+    return adv, adv
+
+
+def remax_reference(rewards, reward_baselines, mask):
+    dtype = result_dtype(rewards, reward_baselines)
+    returns = torch.tensor(_discounted_returns(rewards, mask, 1.0), dtype=dtype)
+    returns = returns.reshape(rewards.shape)
+    base = reward_baselines.detach().cpu().to(torch.float64).tolist()
+    adv = [
+        [g - base[i] if m else 0.0 for g, m in zip(row, m_row)]
+        for i, (row, m_row) in enumerate(zip(returns.tolist(), _mask_rows(mask)))
+    ]
+    return torch.tensor(adv, dtype=dtype).reshape(rewards.shape), returns
+
+
+def gdpo_reference(
+    rewards,
+    mask,
+    index,
+    epsilon=1e-6,
+    norm_adv_by_std_in_grpo=True,
+    *,
+    reward_components=None,
+    reward_weights=None,
+):
+    if reward_components is None:
+        components = [[s] for s in _scores(rewards, mask)]
+        dtype = result_dtype(rewards)
+    else:
+        components = _rows(reward_components)
+        dtype = result_dtype(rewards, reward_components)
+    k = len(components[0])
+    weights = [1.0] * k if reward_weights is None else [float(w) for w in reward_weights]
+    combined = [0.0] * len(components)
+    for members in _groups(index).values():
+        for c in range(k):
+            xs = [components[i][c] for i in members]
+            if _flat(xs):
+                continue
+            mean, std = _mean_std(xs)
+            for i in members:
+                scale = std + epsilon if norm_adv_by_std_in_grpo else 1.0
+                combined[i] += weights[c] * (components[i][c] - mean) / scale
+    adv = masked_whiten(_to_tokens(combined, mask, dtype), mask != 0)
+    return adv, adv
+
+
+def optimal_token_baseline_reference(
+    rewards,
+    mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights=None,
+    handle_zero_tail=True,
+    epsilon=1e-8,
+    *,
+    multi_turn=False,
+):
+    """Both OTB variants: per group, per aligned step, a weighted mean of the returns."""
+    extra = [old_log_probs, sum_pi_squared]
+    if rollout_is_weights is not None:
+        extra.append(rollout_is_weights)
+    dtype = result_dtype(rewards, *extra)
+    batch, length = rewards.shape
+    valid = _mask_rows(mask)
+    returns = _discounted_returns(rewards, mask, 1.0)
+    logp, sq = _rows(old_log_probs), _rows(sum_pi_squared)
+    rho = _rows(rollout_is_weights) if rollout_is_weights is not None else None
+
+    # Per trajectory: the aligned steps (columns, or the k-th valid token).
+    steps: list[list[int]] = []
+    cum_w: list[dict[int, float]] = []
+    for i in range(batch):
+        running, w_at = 0.0, {}
+        for t in range(length):
+            if valid[i][t]:
+                w = 1.0 - 2.0 * math.exp(logp[i][t]) + sq[i][t]
+                if rho is not None:
+                    w *= rho[i][t] ** 2
+                running += w
+                w_at[t] = running
+        cum_w.append(w_at)
+        steps.append([t for t in range(length) if valid[i][t]])
+
+    def aligned(i: int) -> dict[int, int]:
+        """Aligned step → column of trajectory i."""
+        if multi_turn:
+            return {k: t for k, t in enumerate(steps[i])}
+        return {t: t for t in steps[i]}
+
+    adv = [[0.0] * length for _ in range(batch)]
+    for members in _groups(index).values():
+        if multi_turn:
+            members = [i for i in members if steps[i]]
+        if len(members) < 2:
+            continue
+        columns = {i: aligned(i) for i in members}
+        lengths = {i: len(steps[i]) for i in members}
+        ranked = sorted(lengths.values(), reverse=True)
+        tail_owner = None
+        if handle_zero_tail and ranked[0] > ranked[1]:
+            tail_owner = max(members, key=lambda i: lengths[i])
+        for k in range(length):
+            at_k = [i for i in members if k in columns[i]]
+            g = {i: returns[i][columns[i][k]] for i in at_k}
+            w = {i: cum_w[i][columns[i][k]] for i in at_k}
+            if all(g[i] == g[at_k[0]] for i in at_k):
+                baseline = dict(g)
+            else:
+                b = math.fsum(g[i] * w[i] for i in at_k) / (math.fsum(w.values()) + epsilon)
+                baseline = {i: b for i in at_k}
+            for i in at_k:
+                b_i = 0.0 if (i == tail_owner and k >= ranked[1]) else baseline[i]
+                adv[i][columns[i][k]] = g[i] - b_i
+
+    out_returns = torch.tensor(returns, dtype=dtype).reshape(rewards.shape)
+    return torch.tensor(adv, dtype=dtype).reshape(rewards.shape), out_returns
