@@ -53,7 +53,7 @@ def compute_policy_loss_sapo(
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
     adv = inp.advantages
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(adv.dtype)
+    tau = torch.where(adv > 0, adv.new_full((), tau_pos), adv.new_full((), tau_neg))
     gate = torch.sigmoid(tau * (inp.ratio - 1)) * (4 / tau)
     loss = agg_loss(
         inp.apply_is_weights(-gate * adv), response_mask, loss_agg_mode,

@@ -1,0 +1,98 @@
+"""Shared test helpers: batches with ragged and fully masked rows, fp64 reference aggregation.
+
+The references here are written from the definitions (plain Python loops over
+sequences and tokens), never from rlmath's code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+# Every registered policy loss with the keyword scalars the tests use
+# (dro needs dro_beta; clip/kl-cov get ratios that select several tokens).
+LOSS_KWARGS: dict[str, dict] = {
+    "vanilla": {},
+    "gspo": {},
+    "gspo_token": {},
+    "sapo": {},
+    "gpg": {},
+    "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 50.0},
+    "kl_cov": {"kl_cov_ratio": 0.2},
+    "geo_mean": {},
+    "cispo": {},
+    "dppo_tv": {},
+    "dppo_kl": {},
+    "dro": {"dro_beta": 0.3},
+    "reinforce": {},
+}
+
+
+def ragged_mask(b: int, t: int, gen: torch.Generator, *, empty_rows=(1,), gaps: bool = True):
+    """A ``(b, t)`` bool mask: random lengths, interior gaps, the rows in ``empty_rows`` fully masked."""
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    mask = torch.arange(t).expand(b, t) < lengths[:, None]
+    if gaps:
+        mask = mask & (torch.rand(b, t, generator=gen) > 0.2)
+        mask[:, 0] = mask[:, 0] | (lengths > 0)
+    for r in empty_rows:
+        if r < b:
+            mask[r] = False
+    return mask
+
+
+def policy_batch(
+    b: int,
+    t: int,
+    seed: int,
+    *,
+    dtype=torch.float64,
+    scale: float = 0.4,
+    seq_adv: bool = False,
+    empty_rows=(1,),
+):
+    """Random ``(old_log_prob, log_prob, advantages, mask)`` with log-probs ≤ 0."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = ragged_mask(b, t, gen, empty_rows=empty_rows)
+    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3 - 0.05
+    logp = (old + torch.randn(b, t, generator=gen, dtype=torch.float64) * scale).clamp(max=-1e-3)
+    if seq_adv:
+        adv = torch.randn(b, 1, generator=gen, dtype=torch.float64).expand(b, t).contiguous()
+    else:
+        adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    return old.to(dtype), logp.to(dtype), adv.to(dtype), mask
+
+
+def ref_agg(loss: dict, mask: torch.Tensor, mode: str, norm_length: float | None = None):
+    """fp64 reference of every aggregation mode.
+
+    ``loss[(i, t)]`` is a scalar tensor (autograd allowed) for each valid token.
+    """
+    b, t = mask.shape
+    rows = [[j for j in range(t) if mask[i, j]] for i in range(b)]
+    zero = torch.zeros((), dtype=torch.float64)
+    if mode == "token-sum":
+        return sum((loss[(i, j)] for i in range(b) for j in rows[i]), zero)
+    if mode == "token-mean":
+        n = sum(len(r) for r in rows)
+        total = sum((loss[(i, j)] for i in range(b) for j in rows[i]), zero)
+        return total / n if n else zero
+    seqs = [i for i in range(b) if rows[i]]
+    if not seqs:
+        return zero
+    per = []
+    for i in seqs:
+        s = sum((loss[(i, j)] for j in rows[i]), zero)
+        if mode == "seq-mean-token-mean":
+            s = s / len(rows[i])
+        elif mode == "seq-mean-token-sum-norm":
+            s = s / norm_length
+        per.append(s)
+    return sum(per, zero) / len(seqs)
