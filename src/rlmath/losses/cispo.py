@@ -9,11 +9,12 @@ gradient of tokens outside the band; those are often the rare "fork" tokens
 of long reasoning).
 
 **verl vs TRL.** verl's ``cispo`` (the default here) clips on both sides with
-the PPO ranges ``[1 − ε_low, 1 + ε_high]``. TRL's ``loss_type="cispo"``
-truncates from above only, at an absolute cap ``ε_high`` (a value such as 5,
-not ``1 + ε``): ``sg(min(r, ε_high))``. ``upper_only=True`` gives TRL's form
-with the cap ``1 + clip_ratio_high`` (TRL's ``epsilon_high=5`` is
-``clip_ratio_high=4``).
+the PPO ranges ``[1 − ε_low, 1 + ε_high]``. TRL's ``loss_type="cispo"`` (in
+releases after 0.24, which has no CISPO) truncates from above only, at an
+absolute cap ``epsilon_high`` (the cap itself, not ``1 + ε``):
+``sg(min(r, epsilon_high))``, and raises the weight of no token.
+``upper_only=True`` gives TRL's form with the cap ``1 + clip_ratio_high``, so
+TRL's ``epsilon_high=E`` is ``clip_ratio_high=E − 1`` here.
 """
 
 from __future__ import annotations
