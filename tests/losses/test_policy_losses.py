@@ -350,6 +350,8 @@ def test_unknown_name_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'") as err:
         get_policy_loss("ppo")
     assert "vanilla" in str(err.value) and "gspo_token" in str(err.value)
+    with pytest.raises(ValueError, match="rollout_correction"):
+        get_policy_loss("bypass_mode")
 
 
 BAD = [

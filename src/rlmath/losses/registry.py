@@ -53,8 +53,16 @@ def list_policy_losses() -> tuple[str, ...]:
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered under ``name``; unknown names raise listing the valid ones."""
     if not isinstance(name, str) or name not in _REGISTRY:
+        hint = ""
+        if name == "bypass_mode":
+            hint = (
+                " (verl's bypass_mode is a composition: rollout_correction(log_prob.detach(), "
+                "rollout_log_prob, ...) then 'reinforce' with its weights, or 'vanilla' with "
+                "old_log_prob = rollout_log_prob; see docs/losses.md)"
+            )
         raise ValueError(
-            f"unknown policy loss {name!r}; valid values are: {', '.join(list_policy_losses())}"
+            f"unknown policy loss {name!r}; valid values are: "
+            f"{', '.join(list_policy_losses())}{hint}"
         )
     return _REGISTRY[name]
 
