@@ -257,3 +257,21 @@ def test_bad_input():
         compute_gae_advantage_return(r, v.long(), m, 0.9, 0.9)
     with pytest.raises(ValueError, match="gamma"):
         compute_gae_advantage_return(r, v, m, torch.tensor([0.9, 0.8]), 0.9)
+
+
+@pytest.mark.parametrize("n_valid", [0, 1, 2, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_whitening_equals_masked_whiten(n_valid, dtype):
+    # Every estimator whitens through one private function; it must agree with the
+    # library's masked_whiten (unbiased variance, eps 1e-8, zeros under the mask).
+    from rlmath.advantages._common import whiten_batch
+
+    gen = torch.Generator().manual_seed(n_valid)
+    mask = torch.zeros(5, 10, dtype=torch.bool)
+    mask.view(-1)[torch.randperm(50, generator=gen)[:n_valid]] = True
+    values = torch.where(mask, 3 * torch.randn(5, 10, generator=gen, dtype=dtype) + 1, 0)
+    got = whiten_batch(values, mask)
+    expected = masked_whiten(values, mask)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert got.dtype == dtype and torch.all(got[~mask] == 0)

@@ -70,15 +70,22 @@ def compute_gae_advantage_return(
     g = as_unit_scalar("gamma", gamma)
     gl = g * as_unit_scalar("lam", lam)
     dtype = result_dtype(rewards, values)
-    r = valid_values(rewards, valid, dtype)
-    v = valid_values(values, valid, dtype)
 
+    # Pack each row's valid tokens to the left (masked entries never reach a
+    # valid column), so the recursion below is a plain constant-coefficient
+    # recurrence over packed columns; column T stays 0 throughout.
     tokens = ValidTokens(valid)
-    r_packed, v_packed = tokens.pack(r), tokens.pack(v)
-    # Packed column k+1 holds the next valid token's value (0 past the last).
-    delta = torch.add(r_packed[:, :-1], v_packed[:, 1:], alpha=g).sub_(v_packed[:, :-1])
-    advantages = tokens.unpack(_reverse_scan(delta, gl))
-    returns = torch.where(valid, advantages + v, 0)
+    r_packed, v_packed = tokens.pack(rewards, dtype), tokens.pack(values, dtype)
+    length = tokens.length
+    # δ[k] = r[k] + γ·V[k+1] − V[k]; packed column k+1 holds the next valid value.
+    delta = torch.empty_like(r_packed)
+    torch.add(r_packed[:, :length], v_packed[:, 1:], alpha=g, out=delta[:, :length])
+    delta[:, :length].sub_(v_packed[:, :length])
+    delta[:, length] = 0
+    adv_packed = _reverse_scan(delta, gl)
+    returns_packed = r_packed.copy_(adv_packed).add_(v_packed)
+    advantages = tokens.unpack(adv_packed)
+    returns = tokens.unpack(returns_packed)
     if whiten:
         advantages = whiten_batch(advantages, valid)
     return advantages, returns

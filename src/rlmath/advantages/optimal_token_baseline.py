@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from rlmath._validation import check_in_range, result_dtype
 from rlmath.advantages._common import (
@@ -167,8 +168,8 @@ def _optimal_token_baseline(
     lengths = valid.sum(-1)
     if multi_turn:
         tokens = ValidTokens(valid)
-        g_ret = tokens.pack(returns)[:, :length]
-        g_w = tokens.pack(torch.where(valid, cum_w, 0))[:, :length]
+        g_ret = tokens.pack(returns, dtype)[:, :length]
+        g_w = tokens.pack(cum_w, dtype)[:, :length]
         step_valid = torch.arange(length, device=valid.device) < lengths.unsqueeze(-1)
         member = lengths > 0
     else:
@@ -190,7 +191,7 @@ def _optimal_token_baseline(
 
     advantages = torch.where(step_valid, g_ret - baseline, 0)
     if multi_turn:
-        advantages = tokens.unpack(advantages)
+        advantages = tokens.unpack(F.pad(advantages, (0, 1)))
     return advantages, returns
 
 

@@ -34,7 +34,7 @@ def discounted_returns(rewards: torch.Tensor, valid: torch.Tensor, gamma: float)
         # Skipping a masked token and adding its zero reward are the same thing.
         return torch.where(valid, _reverse_scan(rewards, 1.0), 0)
     tokens = ValidTokens(valid)
-    return tokens.unpack(_reverse_scan(tokens.pack(rewards), gamma))
+    return tokens.unpack(_reverse_scan(tokens.pack(rewards, rewards.dtype), gamma))
 
 
 @register_advantage_estimator("reinforce_plus_plus")
