@@ -275,3 +275,15 @@ def test_batch_whitening_equals_masked_whiten(n_valid, dtype):
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     assert got.dtype == dtype and torch.all(got[~mask] == 0)
+
+
+def test_batch_whitening_per_sample_form_equals_token_form():
+    from rlmath.advantages._common import whiten_batch
+
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(6, 9, generator=gen) < 0.6
+    mask[2] = False
+    per_sample = torch.randn(6, generator=gen, dtype=torch.float64)
+    tokens = torch.where(mask, per_sample[:, None], 0)
+    got = torch.where(mask, whiten_batch(per_sample, counts=mask.sum(-1))[:, None], 0)
+    torch.testing.assert_close(got, masked_whiten(tokens, mask), rtol=1e-12, atol=1e-12)

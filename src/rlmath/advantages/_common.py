@@ -61,24 +61,39 @@ def valid_values(x: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> to
     return torch.where(valid, x.to(dtype), 0)
 
 
-def whiten_batch(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def whiten_batch(
+    values: torch.Tensor, valid: torch.Tensor | None = None, *, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Masked whitening over every valid token of the batch.
 
     The single place where estimators whiten over the batch (GAE,
     REINFORCE++, REINFORCE++-baseline, GDPO), so that a data-parallel version
-    (statistics all-reduced over a process group) changes only this function.
+    (the sums below all-reduced over a process group) changes only this
+    function.
 
-    Same result as ``rlmath.masked.masked_whiten(values, valid)`` (mean over
+    Same result as ``rlmath.masked.masked_whiten(values, valid)``: mean over
     the valid tokens, unbiased variance, eps 1e-8, variance 0 for fewer than
-    two tokens, masked positions exactly 0), computed with three full-size
-    temporaries instead of about fifteen: ``values`` must already be 0 at
-    masked positions, which every estimator guarantees.
-    Shape: ``(B, T)`` fp32/fp64 and bool ``(B, T)``; result like ``values``.
+    two tokens, masked positions exactly 0. Two input forms:
+
+    - token values ``(B, T)`` (already 0 at masked positions, which every
+      estimator guarantees) and the bool mask ``valid``; three full-size
+      temporaries instead of about fifteen;
+    - ``counts=``: per-sample values ``(B,)`` that stand for ``counts[i]``
+      identical valid tokens each (outcome estimators); the statistics are the
+      same token-level ones, computed on ``B`` numbers. The caller broadcasts.
     """
-    n = torch.count_nonzero(valid).to(values.dtype)
-    mean = values.sum() / n.clamp(min=1)
-    centered = (values - mean).masked_fill_(~valid, 0)
-    square = centered.square().sum()
+    if counts is None:
+        assert valid is not None
+        n = torch.count_nonzero(valid).to(values.dtype)
+        mean = values.sum() / n.clamp(min=1)
+        centered = (values - mean).masked_fill_(~valid, 0)
+        square = centered.square().sum()
+    else:
+        weight = counts.to(values.dtype)
+        n = weight.sum()
+        mean = (weight * values).sum() / n.clamp(min=1)
+        centered = values - mean
+        square = (weight * centered.square()).sum()
     var = torch.where(n > 1, square / (n - 1).clamp(min=1), 0)
     return centered.mul_(torch.rsqrt(var + 1e-8))
 

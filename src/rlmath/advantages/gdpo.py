@@ -81,7 +81,8 @@ def compute_gdpo_outcome_advantage(
     m = group_moments(components, x.ids)
     normalized = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
     combined = (normalized * weights).sum(-1)
-    advantages = whiten_batch(broadcast_to_tokens(combined, x.valid), x.valid)
+    lengths = torch.count_nonzero(x.valid, dim=-1)
+    advantages = broadcast_to_tokens(whiten_batch(combined, counts=lengths), x.valid)
     return advantages, advantages
 
 

@@ -45,7 +45,7 @@ def compute_opo_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     s, ids = x.scores, x.ids
-    length = x.valid.sum(-1).to(s.dtype)
+    length = torch.count_nonzero(x.valid, dim=-1).to(s.dtype)
     weighted = segment_sum(length * s, ids)[ids]
     total = segment_sum(length, ids)[ids]
     baseline = weighted / torch.where(total > 0, total, 1)

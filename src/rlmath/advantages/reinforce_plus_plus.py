@@ -98,5 +98,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     centered = group_moments(x.scores, x.ids).centered
-    advantages = whiten_batch(broadcast_to_tokens(centered, x.valid), x.valid)
+    lengths = torch.count_nonzero(x.valid, dim=-1)
+    advantages = broadcast_to_tokens(whiten_batch(centered, counts=lengths), x.valid)
     return advantages, advantages
