@@ -22,8 +22,6 @@ tiny triangular matrix product.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from rlmath._validation import check_in_range, check_tensor
@@ -63,24 +61,20 @@ def _flush(c: float, dtype: torch.dtype) -> float:
     return c if c >= torch.finfo(dtype).tiny else 0.0
 
 
-@functools.lru_cache(maxsize=256)
-def _suffix_matrix(n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
-    """``M[t, s] = c^(s − t)`` for ``s ≥ t`` else 0, as a CPU tensor of ``dtype``."""
-    s = torch.arange(n, dtype=torch.float64)
-    lag = s[None, :] - s[:, None]
-    # Powers are formed in fp64 and flushed before the cast, so the matrix never
-    # holds denormals; 0^0 = 1 keeps c = 0 exact.
-    powers = torch.tensor(c, dtype=torch.float64).pow(lag.clamp(min=0))
-    matrix = torch.where((lag >= 0) & (powers >= torch.finfo(dtype).tiny), powers, 0.0)
-    return matrix.to(dtype)
-
-
 def _base_solve(x: torch.Tensor, c: float) -> torch.Tensor:
-    """Exact solution for a short last axis: ``y[t] = Σ_s M[t, s] · x[s]``."""
-    matrix = _suffix_matrix(x.shape[-1], c, x.dtype).to(x.device)
+    """Exact solution for a short last axis: ``y[t] = Σ_{s ≥ t} c^(s−t) · x[s]``."""
+    n = x.shape[-1]
+    # Built on x's device from a Python scalar (no host-to-device copy, no sync).
+    # Powers are formed in fp64 and flushed to 0 below the smallest normal
+    # number of x's dtype, so the matrix holds no denormals; 0^0 = 1 keeps c = 0
+    # exact.
+    steps = torch.arange(n, device=x.device, dtype=torch.float64)
+    lag = steps[None, :] - steps[:, None]
+    powers = torch.pow(c, lag.clamp(min=0))
+    matrix = torch.where((lag >= 0) & (powers >= torch.finfo(x.dtype).tiny), powers, 0.0)
     # A broadcast product and sum rather than a BLAS matmul, so that fp32 never
     # runs in TF32 (GPU) or bf16 (oneDNN) reduced precision.
-    return (x.unsqueeze(-2) * matrix).sum(-1)
+    return (x.unsqueeze(-2) * matrix.to(x.dtype)).sum(-1)
 
 
 def _reverse_scan(x: torch.Tensor, c: float) -> torch.Tensor:
