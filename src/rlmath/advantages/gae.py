@@ -77,15 +77,14 @@ def compute_gae_advantage_return(
     tokens = ValidTokens(valid)
     r_packed, v_packed = tokens.pack(rewards, dtype), tokens.pack(values, dtype)
     length = tokens.length
-    # δ[k] = r[k] + γ·V[k+1] − V[k]; packed column k+1 holds the next valid value.
-    delta = torch.empty_like(r_packed)
+    # δ[k] = r[k] + γ·V[k+1] − V[k] (packed column k+1 holds the next valid
+    # value), then A = scan(δ) and returns A + V, all in the packed buffers.
+    delta = r_packed
     torch.add(r_packed[:, :length], v_packed[:, 1:], alpha=g, out=delta[:, :length])
     delta[:, :length].sub_(v_packed[:, :length])
-    delta[:, length] = 0
-    adv_packed = _reverse_scan(delta, gl)
-    returns_packed = r_packed.copy_(adv_packed).add_(v_packed)
+    adv_packed = _reverse_scan(delta, gl, inplace=True)
     advantages = tokens.unpack(adv_packed)
-    returns = tokens.unpack(returns_packed)
+    returns = tokens.unpack(v_packed.add_(adv_packed))
     if whiten:
         advantages = whiten_batch(advantages, valid)
     return advantages, returns

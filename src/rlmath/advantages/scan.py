@@ -77,9 +77,12 @@ def _base_solve(x: torch.Tensor, c: float) -> torch.Tensor:
     return (x.unsqueeze(-2) * matrix.to(x.dtype)).sum(-1)
 
 
-def _reverse_scan(x: torch.Tensor, c: float) -> torch.Tensor:
-    """Solve ``y[t] = x[t] + c·y[t+1]`` (``y[T] = 0``) along the last axis of ``x``."""
-    out = torch.empty_like(x)
+def _reverse_scan(x: torch.Tensor, c: float, *, inplace: bool = False) -> torch.Tensor:
+    """Solve ``y[t] = x[t] + c·y[t+1]`` (``y[T] = 0``) along the last axis of ``x``.
+
+    ``inplace=True`` overwrites ``x`` (a private buffer of the caller) with ``y``.
+    """
+    out = x if inplace else torch.empty_like(x)
     if x.shape[-1] > 0:
         _scan_into(x, c, out)
     return out
@@ -87,6 +90,9 @@ def _reverse_scan(x: torch.Tensor, c: float) -> torch.Tensor:
 
 def _scan_into(x: torch.Tensor, c: float, out: torch.Tensor) -> None:
     """Write the solution for ``x`` into ``out`` (same shape, possibly a strided view).
+
+    ``out`` may be ``x`` itself: every element of ``x`` is read before (or, for
+    odd slots, in the same elementwise operation as) its slot is written.
 
     Even positions ``2i`` form a half-length problem with coefficient ``c²``:
     ``y[2i] = (x[2i] + c·x[2i+1]) + c²·y[2i+2]``; when the length is odd the
