@@ -22,6 +22,7 @@ LOSS_KWARGS: dict[str, dict] = {
     "vanilla": {},
     "gspo": {},
     "gspo_token": {},
+    "gspo_seq": {},
     "sapo": {},
     "gpg": {},
     "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 50.0},

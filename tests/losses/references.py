@@ -53,7 +53,7 @@ def ref_gspo_sequence(old, lp, adv, mask, *, clip_ratio=0.2, **_):
     return out
 
 
-def ref_gspo(old, lp, adv, mask, *, clip_ratio=0.2, **_):
+def ref_gspo_seq(old, lp, adv, mask, *, clip_ratio=0.2, **_):
     """GSPO written per token with s_{i,t} = sg[s_i]·π/sg[π] and the sequence advantage."""
     out = {}
     for i, row in enumerate(_rows(mask)):
@@ -203,8 +203,9 @@ def ref_covariance(adv, lp, mask):
 
 REFERENCES = {
     "vanilla": ref_vanilla,
-    "gspo": ref_gspo,
+    "gspo": ref_gspo_token,
     "gspo_token": ref_gspo_token,
+    "gspo_seq": ref_gspo_seq,
     "sapo": ref_sapo,
     "gpg": ref_gpg,
     "reinforce": ref_reinforce,

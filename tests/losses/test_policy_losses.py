@@ -60,7 +60,7 @@ def _selection_kwargs(name, old, logp, adv, mask, kw):
 
 def test_registry_holds_verls_names_and_ours():
     assert VERL_NAMES <= set(NAMES)
-    assert {"gspo_token", "reinforce"} <= set(NAMES)
+    assert {"gspo_token", "gspo_seq", "reinforce"} <= set(NAMES)
     assert get_policy_loss_fn is get_policy_loss
 
 
@@ -185,7 +185,7 @@ def test_gspo_sequence_ratio_one_does_not_clip_while_ppo_does():
     logp = old + torch.tensor([[0.5, -0.5]], dtype=torch.float64)  # token ratios e^±0.5
     adv = torch.ones_like(old)
     mask = torch.ones_like(old, dtype=torch.bool)
-    for name in ("gspo", "gspo_token"):
+    for name in ("gspo", "gspo_token", "gspo_seq"):
         loss, m, grad = _run(name, old, logp, adv, mask, "seq-mean-token-mean")
         assert loss.item() == pytest.approx(-1.0)  # s = exp(mean log-ratio) = 1
         torch.testing.assert_close(grad, torch.full_like(grad, -0.5))
@@ -199,7 +199,7 @@ def test_gspo_sequence_ratio_one_does_not_clip_while_ppo_does():
 def test_gspo_gradient_is_the_sequence_level_gradient(mode):
     """Per-token straight-through == the true gradient of the per-sequence GSPO loss."""
     old, logp, adv, mask = policy_batch(6, 7, 31, scale=0.6)
-    loss, _, grad = _run("gspo", old, logp, adv, mask, mode)
+    loss, _, grad = _run("gspo_seq", old, logp, adv, mask, mode)
     leaf = logp.clone().requires_grad_()
     want = ref_agg(ref_gspo_sequence(old, leaf, adv, mask), mask, mode, mask.shape[1])
     want.backward()

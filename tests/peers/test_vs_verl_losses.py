@@ -212,10 +212,8 @@ def _ids(case):
 def test_policy_loss(case, seed, with_is):
     name, ours_kw, verl_kw, metric_keys, modes = case
     old, logp, adv, mask, gen = make_inputs(seed)
-    if name in ("geo_mean", "gspo"):
-        # GMPO: verl "only support[s] sequence level" advantages. GSPO: rlmath's `gspo`
-        # is the paper's (one advantage per sequence); verl's `gspo` is GSPO-token,
-        # compared with rlmath's `gspo_token` in test_gspo_token_vs_verl_gspo.
+    if name == "geo_mean":
+        # GMPO: verl "only support[s] sequence level" advantages.
         adv = adv[:, :1].expand_as(adv).contiguous()
     is_w = (0.5 + torch.rand(mask.shape, generator=gen)) if with_is else None
     cfg = actor_config(**verl_kw)
@@ -357,16 +355,18 @@ def test_gspo_token_vs_verl_gspo(seed, clip):
             _check_metrics(met, met_v, ["pg_clipfrac", "ppo_kl"])
 
 
-def test_gspo_name_differs_from_verl_with_token_advantages():
-    # Not pinned by DESIGN (which lists `gspo` and `gspo_token` without saying which one
-    # verl's name maps to): with per-token advantages rlmath's `gspo` (paper, sequence
-    # advantage) and verl's `gspo` (GSPO-token) give different gradients. Reported.
+def test_gspo_seq_differs_from_verl_gspo_with_token_advantages():
+    # rlmath's `gspo` and `gspo_token` are verl's `gspo` (GSPO-token, per-token
+    # advantages); `gspo_seq` is the paper's one-advantage-per-sequence form, an
+    # rlmath addition, so with per-token advantages it differs from verl's `gspo`.
     old, logp, adv, mask, _ = make_inputs(0)
+    _, grad_seq, _ = _run(rlmath.get_policy_loss("gspo_seq"), old, logp, adv, mask)
     _, grad, _ = _run(rlmath.get_policy_loss("gspo"), old, logp, adv, mask)
     _, grad_v, _ = _run(
         verl_core.get_policy_loss_fn("gspo"), old, logp, adv, mask.float(), config=actor_config()
     )
-    assert not torch.allclose(grad, grad_v, atol=1e-4)
+    assert_close(grad, grad_v, **TOL, msg="gspo grad")
+    assert not torch.allclose(grad_seq, grad_v, atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -13,13 +13,14 @@ whose value is ``s_i`` on every token and whose gradient is ``s_i ∇log π_θ(y
 averaged over a sequence's tokens this is exactly ``∇s_i``, so any
 aggregation mode gives the paper's sequence-level gradient.
 
-* ``gspo``: the paper's GSPO: one advantage per sequence, the masked
-  mean of ``advantages`` over its valid tokens (equal to ``Â_i`` for the
-  outcome estimators, which give every token of a sequence the same value);
-  the clip decision is per sequence.
-* ``gspo_token``: GSPO-token: per-token advantages ``A_{i,t}``
-  with the same sequence ratio; this is what verl's registry calls ``gspo``.
-  With advantages constant within each sequence the two are identical.
+* ``gspo`` (also registered as ``gspo_token``, the paper's name for this
+  form): per-token advantages ``A_{i,t}`` with the sequence ratio — exactly
+  what verl's registry calls ``gspo``, so a verl config migrates unchanged.
+  With advantages constant within each sequence (GRPO, RLOO, ...) it *is* the
+  paper's sequence-level GSPO.
+* ``gspo_seq``: the paper's GSPO for any advantages: one advantage per
+  sequence, the masked mean of ``advantages`` over its valid tokens, so the
+  clip decision is per sequence even when the advantages vary per token.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from rlmath.losses.ppo_clip import ppo_clip_regions
 from rlmath.losses.ratio import PolicyInputs, clip_bounds, policy_metrics, prepare_policy_inputs
 from rlmath.masked import masked_mean
 
-__all__ = ["compute_policy_loss_gspo", "compute_policy_loss_gspo_token", "sequence_log_ratio"]
+__all__ = [
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_gspo_seq",
+    "compute_policy_loss_gspo_token",
+    "sequence_log_ratio",
+]
 
 
 def sequence_log_ratio(
@@ -65,7 +71,7 @@ def _gspo(
     return inp.apply_is_weights(loss_mat), metrics
 
 
-def compute_policy_loss_gspo(
+def compute_policy_loss_gspo_seq(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -82,13 +88,9 @@ def compute_policy_loss_gspo(
     norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO with one advantage per sequence (the masked mean of ``advantages``).
+    """The paper's GSPO with one advantage per sequence (the masked mean of ``advantages``).
 
-    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_vanilla`
-    (no dual clip). The GSPO paper uses tiny ranges (ε_low = 3e-4,
-    ε_high = 4e-4); the defaults are verl's 0.2. The default aggregation is
-    ``seq-mean-token-mean`` (the paper's sequence mean). Extra metric:
-    ``seq_log_ratio_mean`` (mean over sequences of log s_i).
+    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_gspo`.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     inp = prepare_policy_inputs(
@@ -106,7 +108,7 @@ def compute_policy_loss_gspo(
     return loss, metrics
 
 
-def compute_policy_loss_gspo_token(
+def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -123,9 +125,13 @@ def compute_policy_loss_gspo_token(
     norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token: the sequence ratio with per-token advantages (verl's ``gspo``).
+    """GSPO(-token): the sequence ratio with per-token advantages; verl's ``gspo``.
 
-    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_gspo`.
+    Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_vanilla`
+    (no dual clip). The GSPO paper uses tiny ranges (ε_low = 3e-4,
+    ε_high = 4e-4); the defaults are verl's 0.2. The default aggregation is
+    ``seq-mean-token-mean`` (the paper's sequence mean). Extra metric:
+    ``seq_log_ratio_mean`` (mean over sequences of log s_i).
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     inp = prepare_policy_inputs(
@@ -139,3 +145,7 @@ def compute_policy_loss_gspo_token(
         dp_size=dp_size, norm_length=norm_length,
     )  # fmt: skip
     return loss, metrics
+
+
+#: The GSPO paper's name for the per-token-advantage form; the same function.
+compute_policy_loss_gspo_token = compute_policy_loss_gspo

@@ -1,4 +1,4 @@
-"""Policy-loss registry: names (verl's, plus ``gspo_token`` and ``reinforce``) to functions.
+"""Policy-loss registry: names (verl's, plus ``gspo_token``, ``gspo_seq`` and ``reinforce``) to functions.
 
 Every registered function has the signature
 ``fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode=...,
@@ -19,7 +19,11 @@ from rlmath.losses.dppo import compute_policy_loss_dppo_kl, compute_policy_loss_
 from rlmath.losses.dro import compute_policy_loss_dro
 from rlmath.losses.geo_mean import compute_policy_loss_geo_mean
 from rlmath.losses.gpg import compute_policy_loss_gpg
-from rlmath.losses.gspo import compute_policy_loss_gspo, compute_policy_loss_gspo_token
+from rlmath.losses.gspo import (
+    compute_policy_loss_gspo,
+    compute_policy_loss_gspo_seq,
+    compute_policy_loss_gspo_token,
+)
 from rlmath.losses.ppo_clip import compute_policy_loss_vanilla
 from rlmath.losses.reinforce import compute_policy_loss_reinforce
 from rlmath.losses.sapo import compute_policy_loss_sapo
@@ -32,6 +36,7 @@ _REGISTRY: dict[str, PolicyLossFn] = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
     "gspo_token": compute_policy_loss_gspo_token,
+    "gspo_seq": compute_policy_loss_gspo_seq,
     "sapo": compute_policy_loss_sapo,
     "gpg": compute_policy_loss_gpg,
     "clip_cov": compute_policy_loss_clip_cov,
