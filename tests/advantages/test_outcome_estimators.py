@@ -271,3 +271,16 @@ def test_bad_input():
         R.compute_gpg_outcome_advantage(r, m, [0] * 4, f_norm=0.0)
     with pytest.raises(ValueError, match="gamma"):
         R.compute_reinforce_plus_plus_outcome_advantage(r, m, gamma=2.0)
+
+
+def test_gdpo_mixed_precision_follows_the_widest_input():
+    rewards, mask, index = grouped_batch(9)
+    comps = _components(rewards, mask)
+    adv64, _ = R.compute_gdpo_outcome_advantage(
+        rewards.float(), mask, index, reward_components=comps
+    )
+    adv32, _ = R.compute_gdpo_outcome_advantage(
+        rewards.float(), mask, index, reward_components=comps.float()
+    )
+    assert adv64.dtype == torch.float64 and adv32.dtype == torch.float32
+    torch.testing.assert_close(adv32.double(), adv64, rtol=1e-5, atol=1e-5)

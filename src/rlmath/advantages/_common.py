@@ -62,7 +62,11 @@ def valid_values(x: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def whiten_batch(
-    values: torch.Tensor, valid: torch.Tensor | None = None, *, counts: torch.Tensor | None = None
+    values: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    counts: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Masked whitening over every valid token of the batch.
 
@@ -76,8 +80,10 @@ def whiten_batch(
     two tokens, masked positions exactly 0. Two input forms:
 
     - token values ``(B, T)`` (already 0 at masked positions, which every
-      estimator guarantees) and the bool mask ``valid``; three full-size
-      temporaries instead of about fifteen;
+      estimator guarantees) and the bool mask ``valid``; one full-size
+      temporary (two unless ``inplace``, which overwrites ``values``, a
+      private buffer of the caller), where ``masked_whiten`` needs about
+      fifteen;
     - ``counts=``: per-sample values ``(B,)`` that stand for ``counts[i]``
       identical valid tokens each (outcome estimators); the statistics are the
       same token-level ones, computed on ``B`` numbers. The caller broadcasts.
@@ -86,7 +92,8 @@ def whiten_batch(
         assert valid is not None
         n = torch.count_nonzero(valid).to(values.dtype)
         mean = values.sum() / n.clamp(min=1)
-        centered = (values - mean).masked_fill_(~valid, 0)
+        centered = values.sub_(mean) if inplace else values - mean
+        centered.masked_fill_(~valid, 0)
         square = centered.square().sum()
     else:
         weight = counts.to(values.dtype)
@@ -96,6 +103,11 @@ def whiten_batch(
         square = (weight * centered.square()).sum()
     var = torch.where(n > 1, square / (n - 1).clamp(min=1), 0)
     return centered.mul_(torch.rsqrt(var + 1e-8))
+
+
+def valid_counts(valid: torch.Tensor) -> torch.Tensor:
+    """Number of valid tokens per row, ``(B,)`` int32 (summed without an int64 copy of the mask)."""
+    return valid.sum(-1, dtype=torch.int32)
 
 
 def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +152,8 @@ class OutcomeInputs(NamedTuple):
     """Validated inputs of an outcome estimator."""
 
     rewards: torch.Tensor
-    """``(B, T)`` token rewards in the result dtype, 0 at masked positions."""
+    """``(B, T)`` token rewards in the result dtype, 0 at masked positions (a fresh
+    buffer: estimators may reuse it for their output)."""
     valid: torch.Tensor
     """``(B, T)`` bool mask."""
     scores: torch.Tensor
@@ -159,6 +172,15 @@ def outcome_inputs(
     return OutcomeInputs(rewards=r, valid=valid, scores=r.sum(-1), ids=ids)
 
 
-def broadcast_to_tokens(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere."""
-    return torch.where(valid, per_sample.unsqueeze(-1), 0)
+def broadcast_to_tokens(
+    per_sample: torch.Tensor, valid: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere.
+
+    ``out`` (a private ``(B, T)`` buffer of the caller, e.g. the masked rewards
+    once the scores are summed) receives the result instead of a new tensor.
+    """
+    zero = torch.zeros((), dtype=per_sample.dtype, device=per_sample.device)
+    if out is None or out.dtype != per_sample.dtype:
+        return torch.where(valid, per_sample.unsqueeze(-1), zero)
+    return torch.where(valid, per_sample.unsqueeze(-1), zero, out=out)

@@ -86,7 +86,7 @@ def compute_gae_advantage_return(
     advantages = tokens.unpack(adv_packed)
     returns = tokens.unpack(v_packed.add_(adv_packed))
     if whiten:
-        advantages = whiten_batch(advantages, valid)
+        advantages = whiten_batch(advantages, valid, inplace=True)
     return advantages, returns
 
 

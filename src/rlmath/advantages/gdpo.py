@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from rlmath._validation import check_in_range, check_tensor
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs, whiten_batch
+from rlmath.advantages._common import (
+    broadcast_to_tokens,
+    outcome_inputs,
+    valid_counts,
+    whiten_batch,
+)
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
 
@@ -81,8 +86,8 @@ def compute_gdpo_outcome_advantage(
     m = group_moments(components, x.ids)
     normalized = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
     combined = (normalized * weights).sum(-1)
-    lengths = torch.count_nonzero(x.valid, dim=-1)
-    advantages = broadcast_to_tokens(whiten_batch(combined, counts=lengths), x.valid)
+    whitened = whiten_batch(combined, counts=valid_counts(x.valid))
+    advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
     return advantages, advantages
 
 

@@ -56,5 +56,5 @@ def compute_gpg_outcome_advantage(
     else:
         scale = check_finite_scalar("alpha", alpha)
     scalar = scale * group_moments(s, x.ids).centered / norm
-    advantages = broadcast_to_tokens(scalar, x.valid)
+    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
     return advantages, advantages

@@ -54,7 +54,7 @@ def compute_grpo_outcome_advantage(
     assert x.ids is not None
     m = group_moments(x.scores, x.ids)
     scalar = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
-    advantages = broadcast_to_tokens(scalar, x.valid)
+    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
     return advantages, advantages
 
 
@@ -94,5 +94,5 @@ def compute_grpo_passk_outcome_advantage(
     unique_top = is_top & (n_top == 1) & ~m.zero_std
     gap = torch.where(unique_top, top - runner_up, 0)
     scalar = gap / (m.std + eps) if norm_adv_by_std_in_grpo else gap
-    advantages = broadcast_to_tokens(scalar, x.valid)
+    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
     return advantages, advantages

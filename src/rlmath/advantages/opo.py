@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlmath._validation import check_in_range
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
+from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs, valid_counts
 from rlmath.advantages.groups import group_moments, segment_sum
 from rlmath.advantages.registry import register_advantage_estimator
 
@@ -45,10 +45,10 @@ def compute_opo_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     s, ids = x.scores, x.ids
-    length = torch.count_nonzero(x.valid, dim=-1).to(s.dtype)
+    length = valid_counts(x.valid).to(s.dtype)
     weighted = segment_sum(length * s, ids)[ids]
     total = segment_sum(length, ids)[ids]
     baseline = weighted / torch.where(total > 0, total, 1)
     scalar = torch.where(group_moments(s, ids).zero_std, 0, s - baseline)
-    advantages = broadcast_to_tokens(scalar, x.valid)
+    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
     return advantages, advantages

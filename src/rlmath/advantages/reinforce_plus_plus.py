@@ -12,6 +12,7 @@ from rlmath.advantages._common import (
     as_unit_scalar,
     broadcast_to_tokens,
     outcome_inputs,
+    valid_counts,
     whiten_batch,
 )
 from rlmath.advantages.groups import group_moments
@@ -98,6 +99,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     centered = group_moments(x.scores, x.ids).centered
-    lengths = torch.count_nonzero(x.valid, dim=-1)
-    advantages = broadcast_to_tokens(whiten_batch(centered, counts=lengths), x.valid)
+    whitened = whiten_batch(centered, counts=valid_counts(x.valid))
+    advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
     return advantages, advantages

@@ -42,5 +42,5 @@ def compute_rloo_outcome_advantage(
     assert x.ids is not None
     m = group_moments(x.scores, x.ids)
     scalar = m.centered * m.size / (m.size - 1).clamp(min=1)
-    advantages = broadcast_to_tokens(scalar, x.valid)
+    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
     return advantages, advantages
