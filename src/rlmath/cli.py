@@ -39,28 +39,30 @@ _nonneg_float = _number(float, 0.0, inclusive=True)
 
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
-    from rlmath.demo.config import ALGOS, DemoConfig
+    from rlmath.demo.config import ALGO_DEFAULTS, ALGOS, DemoConfig
     from rlmath.demo.model import MODEL_KINDS
 
     d = DemoConfig()
     p.add_argument(
         "--algo", choices=ALGOS, default=d.algo, help="RL algorithm (default: %(default)s)"
     )
-    p.add_argument("--steps", type=_pos_int, help="RL steps (default: 200 for ppo, 120 for grpo)")
-    p.add_argument(
-        "--batch-size", type=_pos_int, help="prompts per step (default: 64 for ppo, 16 for grpo)"
-    )
+    p.add_argument("--steps", type=_pos_int, help=f"RL steps (default: {d.steps})")
+    batch = ", ".join(f"{ALGO_DEFAULTS[a]['batch_size']} for {a}" for a in ALGOS)
+    p.add_argument("--batch-size", type=_pos_int, help=f"prompts per step (default: {batch})")
     p.add_argument(
         "--group-size",
         type=_pos_int,
         default=d.group_size,
         help="GRPO: responses per prompt, >= 2 (default: %(default)s)",
     )
-    p.add_argument("--lr", type=_pos_float, help="peak policy learning rate")
+    p.add_argument("--lr", type=_pos_float, help=f"peak policy learning rate (default: {d.lr:g})")
     p.add_argument(
         "--kl-coef",
         type=_nonneg_float,
-        help="PPO: initial coefficient of the adaptive KL reward penalty; GRPO: KL loss coefficient",
+        help=(
+            "PPO: initial coefficient of the adaptive KL reward penalty; GRPO: coefficient "
+            f"of the k3 KL loss (default: {d.kl_coef:g})"
+        ),
     )
     p.add_argument(
         "--seed", type=_nonneg_int, default=d.seed, help="random seed (default: %(default)s)"
@@ -173,8 +175,8 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         parser.error(f"--device: only cpu and cuda are supported, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
-    cfg = DemoConfig(
-        algo=args.algo,
+    cfg = DemoConfig.for_algo(
+        args.algo,
         steps=args.steps,
         batch_size=args.batch_size,
         group_size=args.group_size,
@@ -195,10 +197,9 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         entropy_coef=args.entropy_coef,
         temperature=args.temperature,
     )
-    resolved = cfg.resolved()
-    n_rows = resolved.batch_size * (resolved.group_size if args.algo == "grpo" else 1)
-    if args.mini_batches > n_rows:
-        parser.error(f"--mini-batches ({args.mini_batches}) exceeds the rows per step ({n_rows})")
+    n_rows = cfg.batch_size * (cfg.group_size if args.algo == "grpo" else 1)
+    if cfg.mini_batches > n_rows:
+        parser.error(f"--mini-batches ({cfg.mini_batches}) exceeds the rows per step ({n_rows})")
     return cfg
 
 

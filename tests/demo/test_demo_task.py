@@ -1,5 +1,6 @@
 """The sort task's reward: exact answers score 1, everything else scores less."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -61,6 +62,8 @@ def test_task_prompts_targets_and_batch_score():
     g = torch.Generator().manual_seed(0)
     digits = TASK.sample_digits(50, g)
     assert all(3 <= len(d) <= 5 and all(0 <= x <= 9 for x in d) for d in digits)
+    assert all(len(set(d)) == len(d) for d in digits)  # distinct digits
+    assert {len(d) for d in digits} == {3, 4, 5}
     d = [3, 1, 4, 1]
     assert V.decode(TASK.prompt_ids(d)) == "<bos> 3 1 4 1 <sep>"
     assert V.decode(TASK.target_ids(d)) == "1 1 3 4"
@@ -73,6 +76,13 @@ def test_task_prompts_targets_and_batch_score():
     scores = TASK.score([d, d], responses)
     assert scores.dtype == torch.float32
     assert scores.tolist() == [1.0, 0.0]
+
+
+def test_bad_lengths_are_rejected():
+    with pytest.raises(ValueError, match="min_len"):
+        SortTask(V, min_len=4, max_len=3)
+    with pytest.raises(ValueError, match="max_len"):
+        SortTask(V, min_len=3, max_len=11)
 
 
 def test_sampling_is_reproducible_from_the_seed():

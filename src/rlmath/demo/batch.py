@@ -10,7 +10,7 @@ responses right-padded to ``R`` tokens, and a sequence is their concatenation
 ``response_forward`` runs the transformer trunk on this padded batch, then
 drops the padding with ``rlmath.unpad_input`` and applies the LM head and the
 value head to the packed ``[N, H]`` hidden states only. Log-probs of the
-response tokens come from ``rlmath.logprobs_from_logits_response_rmpad``
+response tokens come from ``rlmath.log_probs_from_logits_response_rmpad``
 (which shifts labels within each sequence, so it never mixes tokens of two
 sequences), entropies from ``rlmath.entropy_from_logits``, and per-token
 outputs go back to the padded layout with ``rlmath.pad_input``.
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
 
 import rlmath
+from rlmath.demo.model import DemoLM
 
 __all__ = ["ResponseOutputs", "Rollout", "left_pad", "make_rollout", "response_forward"]
 
@@ -109,7 +109,7 @@ class ResponseOutputs:
 
 
 def response_forward(
-    model: nn.Module,
+    model: DemoLM,
     batch: Rollout,
     *,
     temperature: float = 1.0,
@@ -139,14 +139,14 @@ def response_forward(
     out = ResponseOutputs(log_prob=torch.zeros(b, r))
     if with_log_prob or with_entropy:
         logits_rmpad = model.lm_head(hidden_rmpad)  # [N, V]
-        if temperature != 1.0:
-            logits_rmpad = logits_rmpad / temperature
         if with_log_prob:
-            out.log_prob = rlmath.logprobs_from_logits_response_rmpad(
-                ids, mask, logits_rmpad, response_length=r
+            out.log_prob = rlmath.log_probs_from_logits_response_rmpad(
+                ids, mask, logits_rmpad, response_length=r, temperature=temperature
             )
         if with_entropy:
-            out.entropy = to_response(rlmath.entropy_from_logits(logits_rmpad))
+            out.entropy = to_response(
+                rlmath.entropy_from_logits(logits_rmpad, temperature=temperature)
+            )
     if with_values:
         if model.value_head is None:
             raise ValueError("with_values=True needs a model with a value head")

@@ -9,29 +9,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ALGOS", "DemoConfig"]
+__all__ = ["ALGOS", "ALGO_DEFAULTS", "DemoConfig"]
 
 ALGOS = ("ppo", "grpo")
 
 
 @dataclass
 class DemoConfig:
-    """Everything a demo run depends on. ``None`` means "the algorithm's default"."""
+    """Everything a demo run depends on.
+
+    The field defaults are GRPO's; :meth:`for_algo` applies the per-algorithm
+    defaults (:data:`ALGO_DEFAULTS`) before the caller's overrides.
+    """
 
     algo: str = "grpo"
-    steps: int | None = None
-    batch_size: int | None = None  # prompts per step
+    steps: int = 200
+    batch_size: int = 16  # prompts per step
     group_size: int = 8  # GRPO: responses sampled per prompt
-    lr: float | None = None
-    kl_coef: float | None = None  # PPO: initial β of the adaptive controller; GRPO: KL loss coef
+    lr: float = 5e-4
+    kl_coef: float = 0.01  # PPO: initial β of the adaptive controller; GRPO: KL loss coef
     seed: int = 0
     device: str = "cpu"
-    out: Path | None = None
+    out: Path | None = None  # None: runs/demo-<algo>
     model: str = "tiny"
-    threads: int | None = None
+    threads: int | None = None  # None: 1
     progress: bool = True
 
-    # Task: sort strings of min_len..max_len digits.
+    # Task: sort strings of min_len..max_len distinct digits.
     min_len: int = 3
     max_len: int = 5
 
@@ -49,6 +53,7 @@ class DemoConfig:
     ppo_epochs: int = 2
     mini_batches: int = 2
     clip_ratio: float = 0.2
+    clip_ratio_high: float | None = None  # DAPO's "clip-higher" when above clip_ratio
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
     lr_warmup_steps: int = 10
@@ -58,26 +63,28 @@ class DemoConfig:
     # PPO only.
     gamma: float = 1.0
     lam: float = 0.95
-    critic_lr: float | None = None
+    critic_lr: float = 2e-3
     cliprange_value: float = 0.2
     kl_target: float = 0.05
     kl_horizon: int = 10_000
 
-    def resolved(self) -> DemoConfig:
-        """A copy with every ``None`` replaced by the algorithm's default."""
-        defaults = _DEFAULTS[self.algo]
-        out = DemoConfig(**{**self.__dict__})
-        for name, value in defaults.items():
-            if getattr(out, name) is None:
-                setattr(out, name, value)
-        if out.out is None:
-            out.out = Path("runs") / f"demo-{self.algo}"
-        return out
+    @classmethod
+    def for_algo(cls, algo: str, **overrides: object) -> DemoConfig:
+        """The config of ``algo`` with its defaults, then ``overrides`` (None = keep default)."""
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(algo=algo, **{**ALGO_DEFAULTS[algo], **given})  # type: ignore[arg-type]
+
+    @property
+    def out_dir(self) -> Path:
+        return self.out if self.out is not None else Path("runs") / f"demo-{self.algo}"
 
 
 # Per-algorithm defaults, tuned so that each run finishes in a few minutes on
-# two CPU cores (see docs/demo.md for the measured figures).
-_DEFAULTS: dict[str, dict[str, object]] = {
-    "ppo": {"steps": 200, "batch_size": 64, "lr": 1e-3, "kl_coef": 0.01, "critic_lr": 2e-3},
-    "grpo": {"steps": 200, "batch_size": 16, "lr": 1e-3, "kl_coef": 0.01, "critic_lr": 0.0},
+# two CPU cores (see docs/demo.md for the measured figures). PPO samples one
+# response per prompt, so it takes more prompts per step.
+ALGO_DEFAULTS: dict[str, dict[str, object]] = {
+    "ppo": {"batch_size": 64},
+    "grpo": {"batch_size": 16},
 }

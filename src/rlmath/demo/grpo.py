@@ -12,11 +12,11 @@ not a reward penalty.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import rlmath
 from rlmath.demo.batch import Rollout
 from rlmath.demo.config import DemoConfig
+from rlmath.demo.model import DemoLM
 from rlmath.demo.rollout import token_level_scores
 from rlmath.demo.task import SortTask
 from rlmath.demo.trainer import Trainer
@@ -26,7 +26,7 @@ __all__ = ["GRPOTrainer"]
 
 class GRPOTrainer(Trainer):
     def __init__(
-        self, cfg: DemoConfig, policy: nn.Module, task: SortTask, device: torch.device
+        self, cfg: DemoConfig, policy: DemoLM, task: SortTask, device: torch.device
     ) -> None:
         super().__init__(cfg, policy, task, device)
         self.group_size = cfg.group_size
@@ -35,7 +35,7 @@ class GRPOTrainer(Trainer):
         self, mb: Rollout, out_log_prob: torch.Tensor, entropy: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, metrics = super().actor_loss(mb, out_log_prob, entropy)
-        assert mb.ref_log_prob is not None and self.cfg.kl_coef is not None
+        assert mb.ref_log_prob is not None
         kl = rlmath.kl_penalty(out_log_prob, mb.ref_log_prob, "low_var_kl")
         kl_loss = rlmath.agg_loss(kl, mb.response_mask, self.cfg.loss_agg_mode)
         metrics["kl_loss"] = kl_loss.detach()
@@ -43,7 +43,6 @@ class GRPOTrainer(Trainer):
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
-        assert cfg.batch_size is not None
         # 1. Rollout: batch_size prompts × group_size sampled responses, scored.
         batch = self.rollout(cfg.batch_size)
         assert batch.scores is not None

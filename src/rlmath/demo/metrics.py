@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["MetricsWriter", "read_metrics", "summary_table"]
+__all__ = ["MetricsWriter", "Record", "read_metrics", "summary_table"]
+
+#: One line of metrics.jsonl; None where a value was not finite (JSON null).
+Record = dict[str, float | None]
 
 # The keys every line of metrics.jsonl holds, in this order (others follow).
 CORE_KEYS = (
@@ -35,9 +38,9 @@ class MetricsWriter:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = path.open("w", encoding="utf-8")
-        self.records: list[dict[str, float]] = []
+        self.records: list[Record] = []
 
-    def write(self, record: dict[str, float]) -> None:
+    def write(self, record: dict[str, float] | Record) -> None:
         ordered = {k: record[k] for k in CORE_KEYS if k in record}
         ordered.update({k: v for k, v in record.items() if k not in ordered})
         clean = {k: _json_number(v) for k, v in ordered.items()}
@@ -60,32 +63,34 @@ class MetricsWriter:
         self.close()
 
 
-def _json_number(v: float) -> float | None:
+def _json_number(v: float | None) -> float | None:
     # JSON has no NaN/inf; write null so that every line stays parseable.
+    if v is None:
+        return None
     v = float(v)
     return v if math.isfinite(v) else None
 
 
-def read_metrics(path: Path) -> list[dict[str, float]]:
+def read_metrics(path: Path) -> list[Record]:
     """The records of a ``metrics.jsonl`` file."""
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _window_mean(records: Sequence[dict[str, float]], key: str) -> float:
-    vals = [r[key] for r in records if r.get(key) is not None]
+def _window_mean(records: Sequence[Record], key: str) -> float:
+    vals = [v for r in records if (v := r.get(key)) is not None]
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def summary_table(records: Sequence[dict[str, float]], *, window: int = 10) -> str:
+def summary_table(records: Sequence[Record], *, window: int = 10) -> str:
     """A plain-text table: each core metric averaged over the first and last ``window`` steps."""
     if not records:
         return "no steps finished"
     w = max(1, min(window, len(records) // 2 or 1))
     first, last = records[:w], records[-w:]
     keys = [k for k in CORE_KEYS[1:] if any(r.get(k) is not None for r in records)]
-    head = f"steps {int(records[0]['step'])}-{int(records[w - 1]['step'])}"
-    tail = f"steps {int(records[-w]['step'])}-{int(records[-1]['step'])}"
+    head = f"steps {_step(records[0])}-{_step(records[w - 1])}"
+    tail = f"steps {_step(records[-w])}-{_step(records[-1])}"
     rows = [("metric", head, tail)]
     for k in keys:
         rows.append((k, _fmt(_window_mean(first, k)), _fmt(_window_mean(last, k))))
@@ -98,6 +103,10 @@ def summary_table(records: Sequence[dict[str, float]], *, window: int = 10) -> s
         if n == 0:
             lines.append("  ".join("-" * wd for wd in widths))
     return "\n".join(lines)
+
+
+def _step(record: Record) -> int:
+    return int(record.get("step") or 0)
 
 
 def _fmt(v: float) -> str:

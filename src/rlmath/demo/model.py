@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DemoLM",
     "ModelConfig",
     "TinyTransformer",
     "build_model",
@@ -67,7 +68,39 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TinyTransformer(nn.Module):
+class DemoLM(nn.Module):
+    """The interface a trainer needs: a trunk, an LM head and an optional value head.
+
+    ``lm_head`` maps hidden ``[..., H]`` to logits ``[..., V]``; ``value_head``
+    (once ``add_value_head`` has run) maps hidden ``[..., H]`` to ``[..., 1]``.
+    """
+
+    cfg: ModelConfig
+    lm_head: nn.Module
+    value_head: nn.Linear | None
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_value_head(self) -> None:
+        """Attach a fresh zero-initialized value head (a critic starts at V = 0)."""
+        head = nn.Linear(self.cfg.d_model, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        self.value_head = head.to(next(self.parameters()).device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, S, V]`` (padded layout; used by sampling)."""
+        logits: torch.Tensor = self.lm_head(self.hidden_states(input_ids, attention_mask))
+        return logits
+
+
+class TinyTransformer(DemoLM):
     """Pre-LayerNorm GPT-style decoder with learned positions.
 
     ``lm_head`` maps hidden ``[..., H]`` to logits ``[..., V]``; ``value_head``
@@ -101,13 +134,6 @@ class TinyTransformer(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def add_value_head(self) -> None:
-        """Attach a fresh zero-initialized value head (a critic starts at V = 0)."""
-        head = nn.Linear(self.cfg.d_model, 1)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
-        self.value_head = head.to(self.embed.weight.device)
-
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -130,14 +156,11 @@ class TinyTransformer(nn.Module):
         x = self.embed(input_ids) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x, attn_mask)
-        return self.ln_f(x)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, S, V]`` (padded layout; used by sampling)."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask))
+        out: torch.Tensor = self.ln_f(x)
+        return out
 
 
-class _HFTinyGPT2(nn.Module):
+class _HFTinyGPT2(DemoLM):
     """A from-config GPT-2 from ``transformers`` behind the TinyTransformer interface."""
 
     def __init__(self, cfg: ModelConfig, *, with_value_head: bool = False) -> None:
@@ -165,12 +188,6 @@ class _HFTinyGPT2(nn.Module):
         if with_value_head:
             self.add_value_head()
 
-    def add_value_head(self) -> None:
-        head = nn.Linear(self.cfg.d_model, 1)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
-        self.value_head = head.to(self.lm_head.weight.device)
-
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -182,16 +199,14 @@ class _HFTinyGPT2(nn.Module):
         out = self.hf.transformer(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         )
-        return out.last_hidden_state
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask))
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
 
 
 MODEL_KINDS = ("tiny", "hf-tiny")
 
 
-def build_model(kind: str, cfg: ModelConfig, *, with_value_head: bool = False) -> nn.Module:
+def build_model(kind: str, cfg: ModelConfig, *, with_value_head: bool = False) -> DemoLM:
     """Build the demo's policy model: ``tiny`` (defined here) or ``hf-tiny``.
 
     Raises ``RuntimeError`` with install instructions when ``hf-tiny`` is

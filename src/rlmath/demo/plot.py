@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlmath.demo.metrics import Record
+
 __all__ = ["plot_curves"]
 
 
-def plot_curves(records: Sequence[dict[str, float]], path: Path, *, title: str = "") -> None:
+def plot_curves(records: Sequence[Record], path: Path, *, title: str = "") -> None:
     """Write a two-panel figure to ``path``: reward/success (top), KL (bottom)."""
     import matplotlib
 
@@ -18,7 +20,7 @@ def plot_curves(records: Sequence[dict[str, float]], path: Path, *, title: str =
     steps = [r["step"] for r in records]
 
     def series(key: str) -> list[float]:
-        return [float("nan") if r.get(key) is None else r[key] for r in records]
+        return [float("nan") if (v := r.get(key)) is None else v for r in records]
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, series("reward_mean"), label="reward (mean)")

@@ -19,6 +19,7 @@ from torch import nn
 import rlmath
 from rlmath.demo.batch import Rollout, response_forward
 from rlmath.demo.config import DemoConfig
+from rlmath.demo.model import DemoLM
 from rlmath.demo.rollout import token_level_scores
 from rlmath.demo.task import SortTask
 from rlmath.demo.trainer import Trainer, minibatches
@@ -30,10 +31,9 @@ class PPOTrainer(Trainer):
     group_size = 1
 
     def __init__(
-        self, cfg: DemoConfig, policy: nn.Module, task: SortTask, device: torch.device
+        self, cfg: DemoConfig, policy: DemoLM, task: SortTask, device: torch.device
     ) -> None:
         super().__init__(cfg, policy, task, device)
-        assert cfg.kl_coef is not None and cfg.critic_lr is not None and cfg.steps is not None
         # The critic starts from the (warmed-up) policy's weights, as verl's
         # critic starts from the SFT model, with a fresh value head.
         self.critic = _critic_from(policy)
@@ -45,6 +45,9 @@ class PPOTrainer(Trainer):
             num_warmup_steps=cfg.lr_warmup_steps,
             num_training_steps=cfg.steps,
             min_lr_ratio=cfg.min_lr_ratio,
+            # Step n (1-based) uses the multiplier at n, so the first update
+            # does not run at lr 0.
+            zero_indexed_step=False,
         )
         self.kl_ctrl = rlmath.AdaptiveKLController(
             init_kl_coef=cfg.kl_coef, target_kl=cfg.kl_target, horizon=cfg.kl_horizon
@@ -72,14 +75,13 @@ class PPOTrainer(Trainer):
                 vf_loss.backward()
                 nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
                 self.critic_optimizer.step()
-                loss_sum += float(vf_loss)
+                loss_sum += float(vf_loss.detach())
                 clip_sum += float(vf_clipfrac)
                 n += 1
         return {"value_loss": loss_sum / n, "vf_clipfrac": clip_sum / n}
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
-        assert cfg.batch_size is not None
         # 1. Rollout: one sampled response per prompt, scored by the task.
         batch = self.rollout(cfg.batch_size)
         assert batch.scores is not None
@@ -128,7 +130,7 @@ class PPOTrainer(Trainer):
         }
 
 
-def _critic_from(policy: nn.Module) -> nn.Module:
+def _critic_from(policy: DemoLM) -> DemoLM:
     import copy
 
     critic = copy.deepcopy(policy)

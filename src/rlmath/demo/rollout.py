@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from rlmath.demo.batch import Rollout, left_pad, make_rollout
+from rlmath.demo.model import DemoLM
 from rlmath.demo.sampling import generate
 from rlmath.demo.task import SortTask
 
@@ -13,7 +13,7 @@ __all__ = ["collect_rollout", "greedy_success_rate", "token_level_scores"]
 
 
 def collect_rollout(
-    policy: nn.Module,
+    policy: DemoLM,
     task: SortTask,
     *,
     n_prompts: int,
@@ -63,7 +63,7 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 
 @torch.no_grad()
 def greedy_success_rate(
-    policy: nn.Module,
+    policy: DemoLM,
     task: SortTask,
     *,
     n_prompts: int,

@@ -12,7 +12,7 @@ import torch
 
 from rlmath.demo.config import DemoConfig
 from rlmath.demo.grpo import GRPOTrainer
-from rlmath.demo.metrics import MetricsWriter, summary_table
+from rlmath.demo.metrics import MetricsWriter, Record, summary_table
 from rlmath.demo.model import ModelConfig, build_model
 from rlmath.demo.plot import plot_curves
 from rlmath.demo.ppo import PPOTrainer
@@ -29,7 +29,7 @@ class DemoResult:
     """What a run produced; ``records`` are the lines of ``metrics.jsonl``."""
 
     out: Path
-    records: list[dict[str, float]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     interrupted: bool = False
     greedy_before: float = float("nan")
     greedy_after: float = float("nan")
@@ -46,15 +46,14 @@ def _setup(cfg: DemoConfig) -> torch.device:
 
 
 def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
-    """Run one demo end to end; returns the records also written to ``cfg.out``.
+    """Run one demo end to end; returns the records also written to ``cfg.out_dir``.
 
     Ctrl-C (``KeyboardInterrupt``) during training stops the loop after the
     steps already finished: their metrics are on disk (each line is flushed),
     and the plot and summary are still produced from them.
     """
     stream = stream or sys.stdout
-    cfg = cfg.resolved()
-    assert cfg.out is not None and cfg.steps is not None and cfg.lr is not None
+    out_dir = cfg.out_dir
     t_start = time.perf_counter()
     device = _setup(cfg)
     vocab = Vocab()
@@ -86,7 +85,7 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
         device=device,
     )
     eval_gen = torch.Generator().manual_seed(cfg.seed + 100)
-    result = DemoResult(out=cfg.out)
+    result = DemoResult(out=out_dir)
     result.greedy_before = greedy_success_rate(
         policy, task, n_prompts=256, generator=eval_gen, device=device
     )
@@ -98,8 +97,8 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             file=stream,
         )
     trainer: Trainer = (PPOTrainer if cfg.algo == "ppo" else GRPOTrainer)(cfg, policy, task, device)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    writer = MetricsWriter(cfg.out / "metrics.jsonl")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = MetricsWriter(out_dir / "metrics.jsonl")
     bar = _progress(cfg)
     try:
         for step in range(1, cfg.steps + 1):
@@ -130,7 +129,7 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     if result.records:
         plot_curves(
             result.records,
-            cfg.out / "curves.png",
+            out_dir / "curves.png",
             title=f"rlmath demo: {cfg.algo.upper()}, seed {cfg.seed}",
         )
     result.seconds = time.perf_counter() - t_start
@@ -153,6 +152,6 @@ def _print_summary(cfg: DemoConfig, result: DemoResult, stream: TextIO) -> None:
     if not result.interrupted:
         line += f", {result.greedy_after:.2f} after"
     print(line, file=stream)
-    print(f"wall time {result.seconds:.1f} s; outputs in {cfg.out}/", file=stream)
+    print(f"wall time {result.seconds:.1f} s; outputs in {result.out}/", file=stream)
     if result.records:
-        print(f"  {cfg.out / 'metrics.jsonl'}\n  {cfg.out / 'curves.png'}", file=stream)
+        print(f"  {result.out / 'metrics.jsonl'}\n  {result.out / 'curves.png'}", file=stream)

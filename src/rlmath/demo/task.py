@@ -1,9 +1,9 @@
 """The synthetic verifiable task: sort a short string of digits.
 
-A prompt is ``<bos> d1 … dk <sep>`` with ``k`` random digits; the correct
-response is the same digits in ascending order followed by ``<eos>``::
+A prompt is ``<bos> d1 … dk <sep>`` with ``k`` distinct random digits; the
+correct response is the same digits in ascending order followed by ``<eos>``::
 
-    <bos> 3 1 4 1 <sep>   →   1 1 3 4 <eos>
+    <bos> 3 1 4 7 <sep>   →   1 3 4 7 <eos>
 
 The answer is checked exactly, so the reward is verifiable: no learned reward
 model is involved. The reward gives partial credit (the fraction of answer
@@ -92,15 +92,18 @@ def score_response(response: Sequence[int], target: Sequence[int], eos_id: int) 
 
 
 class SortTask:
-    """Random prompts of ``min_len..max_len`` digits and their sorted answers.
+    """Random prompts of ``min_len..max_len`` distinct digits and their sorted answers.
 
     Prompts are drawn from a ``torch.Generator`` so that a run is reproducible
     from its seed alone.
     """
 
     def __init__(self, vocab: Vocab, *, min_len: int = 3, max_len: int = 5) -> None:
-        if not 1 <= min_len <= max_len:
-            raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        if not 1 <= min_len <= max_len <= len(vocab.symbols):
+            raise ValueError(
+                f"need 1 <= min_len <= max_len <= {len(vocab.symbols)} (distinct symbols), "
+                f"got min_len={min_len}, max_len={max_len}"
+            )
         self.vocab = vocab
         self.min_len = min_len
         self.max_len = max_len
@@ -114,9 +117,16 @@ class SortTask:
         return self.max_len + 1  # answer + <eos>
 
     def sample_digits(self, n: int, generator: torch.Generator) -> list[list[int]]:
-        """``n`` random digit strings (symbol indices, not token ids)."""
+        """``n`` random strings of distinct digits (symbol indices, not token ids).
+
+        Digits within a prompt are distinct: with repeats, the model must also
+        count copies, a separate skill that this tiny model learns far more
+        slowly by RL than ordering itself.
+        """
         lengths = torch.randint(self.min_len, self.max_len + 1, (n,), generator=generator)
-        digits = torch.randint(0, len(self.vocab.symbols), (n, self.max_len), generator=generator)
+        n_symbols = len(self.vocab.symbols)
+        # Rows of a random permutation of the alphabet: distinct by construction.
+        digits = torch.rand(n, n_symbols, generator=generator).argsort(dim=-1)
         return [digits[i, : int(lengths[i])].tolist() for i in range(n)]
 
     def prompt_ids(self, digits: Sequence[int]) -> list[int]:

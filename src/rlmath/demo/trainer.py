@@ -19,13 +19,14 @@ from torch import nn
 import rlmath
 from rlmath.demo.batch import Rollout, response_forward
 from rlmath.demo.config import DemoConfig
+from rlmath.demo.model import DemoLM
 from rlmath.demo.rollout import collect_rollout
 from rlmath.demo.task import SortTask
 
 __all__ = ["Trainer", "frozen_copy"]
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
+def frozen_copy(model: DemoLM) -> DemoLM:
     """A deep copy with gradients off, in eval mode (the reference policy)."""
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
@@ -46,14 +47,13 @@ class Trainer(ABC):
     group_size: int = 1
 
     def __init__(
-        self, cfg: DemoConfig, policy: nn.Module, task: SortTask, device: torch.device
+        self, cfg: DemoConfig, policy: DemoLM, task: SortTask, device: torch.device
     ) -> None:
         self.cfg = cfg
         self.policy = policy
         self.ref = frozen_copy(policy)
         self.task = task
         self.device = device
-        assert cfg.steps is not None and cfg.lr is not None
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         # Linear warmup then cosine decay, a pure function of the step.
         self.scheduler = rlmath.get_cosine_schedule_with_warmup(
@@ -61,6 +61,9 @@ class Trainer(ABC):
             num_warmup_steps=cfg.lr_warmup_steps,
             num_training_steps=cfg.steps,
             min_lr_ratio=cfg.min_lr_ratio,
+            # Step n (1-based) uses the multiplier at n, so the first update
+            # does not run at lr 0.
+            zero_indexed_step=False,
         )
         self.prompt_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
@@ -114,6 +117,7 @@ class Trainer(ABC):
             mb.response_mask,
             loss_agg_mode=cfg.loss_agg_mode,
             clip_ratio=cfg.clip_ratio,
+            clip_ratio_high=cfg.clip_ratio_high,
         )
         entropy_loss = rlmath.agg_loss(entropy, mb.response_mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coef * entropy_loss

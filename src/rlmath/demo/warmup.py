@@ -11,17 +11,17 @@ chance, so the success rate starts low and every bit of sorting that follows
 is learned by RL.
 
 The loss is the mean negative log-likelihood of the target tokens, computed
-with the same packed path (``rlmath.logprobs_from_logits_response_rmpad``)
+with the same packed path (``rlmath.log_probs_from_logits_response_rmpad``)
 and ``rlmath.masked_mean``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import rlmath
 from rlmath.demo.batch import left_pad, make_rollout, response_forward
+from rlmath.demo.model import DemoLM
 from rlmath.demo.task import SortTask
 
 __all__ = ["supervised_warmup"]
@@ -38,7 +38,7 @@ def _shuffled_targets(
 
 
 def supervised_warmup(
-    model: nn.Module,
+    model: DemoLM,
     task: SortTask,
     *,
     steps: int,
@@ -81,5 +81,5 @@ def supervised_warmup(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
