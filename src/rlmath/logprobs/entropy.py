@@ -1,0 +1,47 @@
+"""Per-row entropy of ``softmax(logits / temperature)``, in bounded memory."""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.logprobs.log_probs import _log_probs_entropy
+
+__all__ = ["entropy_from_logits"]
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Shannon entropy ``H = -Σ_v p_v log p_v`` of ``p = softmax(logits / temperature)``.
+
+    Computed per chunk of rows as ``log s - Σ exp(y)·y / s`` with
+    ``y = z - max z`` and ``s = Σ exp(y)``, so no large terms cancel; ``-inf``
+    logits (a padded or masked vocabulary) contribute exactly 0 to the value
+    and to the gradient ``∂H/∂z = -p·(z - E_p[z])``. Saves only the logits
+    and two numbers per row; backward recomputes each chunk.
+
+    Args:
+        logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides).
+        temperature: float > 0 or a tensor broadcastable to ``logits.shape[:-1]``;
+            the result equals the call on ``logits / temperature``.
+        chunk_size: rows per chunk (``None``: chosen from V).
+        validate: check a tensor temperature is positive (a host sync).
+
+    Returns:
+        ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits), differentiable
+        w.r.t. ``logits``.
+    """
+    _, ent = _log_probs_entropy(
+        logits,
+        None,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        validate=validate,
+        want_entropy=True,
+    )
+    assert ent is not None
+    return ent

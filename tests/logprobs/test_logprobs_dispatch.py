@@ -1,0 +1,66 @@
+"""Backend registry: the torch path is the default; a registered backend is chosen at call time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlmath import entropy_from_logits, kl_from_logits, log_probs_from_logits
+from rlmath.logprobs import dispatch
+from rlmath.logprobs.chunking import auto_chunk_size
+
+
+def test_torch_backend_is_the_default():
+    x = torch.randn(2, 5)
+    assert dispatch.available_backends(x)[-1] == "torch"
+    assert dispatch.get_kernel("kl", x) is dispatch.get_kernel("kl", x, backend="torch")
+
+
+def test_registered_backend_is_selected_when_it_supports_the_input(monkeypatch):
+    calls = []
+    torch_lp = dispatch.get_kernel("log_probs_entropy", torch.empty(0), backend="torch")
+    torch_kl = dispatch.get_kernel("kl", torch.empty(0), backend="torch")
+
+    def lp(*args):
+        calls.append("log_probs_entropy")
+        return torch_lp(*args)
+
+    def kl(*args):
+        calls.append("kl")
+        return torch_kl(*args)
+
+    fake = dispatch.Backend(
+        "fake",
+        {"log_probs_entropy": lp, "kl": kl},
+        supports=lambda t: t.dtype == torch.float64,
+        priority=5,
+    )
+    monkeypatch.setitem(dispatch._BACKENDS, "fake", fake)
+    x32, x64 = torch.randn(3, 7), torch.randn(3, 7, dtype=torch.float64)
+    labels = torch.zeros(3, dtype=torch.long)
+    log_probs_from_logits(x32, labels)
+    assert calls == []
+    log_probs_from_logits(x64, labels)
+    entropy_from_logits(x64)
+    kl_from_logits(x64, x64)
+    assert calls == ["log_probs_entropy", "log_probs_entropy", "kl"]
+    assert dispatch.available_backends(x64) == ["fake", "torch"]
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="op"):
+        dispatch.get_kernel("softmax", torch.empty(1))
+    with pytest.raises(ValueError, match="backend"):
+        dispatch.get_kernel("kl", torch.empty(1), backend="triton-that-does-not-exist")
+    with pytest.raises(ValueError, match="lacks kernels"):
+        dispatch.register_backend(dispatch.Backend("half", {"kl": lambda *a: None}))
+
+
+def test_auto_chunk_size():
+    threads = torch.get_num_threads()
+    for v in (1, 100, 32000, 151936, 10**7):
+        c = auto_chunk_size(v)
+        assert c >= 1
+        assert c * v * 4 <= max(8 * 2**20, v * 4 * threads)
+    # never more than 1/32 of the rows (beyond one row per thread)
+    assert auto_chunk_size(1000, 64) <= max(threads, 2)
