@@ -284,3 +284,30 @@ def test_gdpo_mixed_precision_follows_the_widest_input():
     )
     assert adv64.dtype == torch.float64 and adv32.dtype == torch.float32
     torch.testing.assert_close(adv32.double(), adv64, rtol=1e-5, atol=1e-5)
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    n_valid=st.integers(1, 10),
+    inserts=st.lists(st.integers(0, 10), max_size=5),
+    gamma=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+)
+def test_reinforce_plus_plus_masked_insertions_change_nothing(seed, n_valid, inserts, gamma):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(1, n_valid, generator=gen, dtype=torch.float64)
+    _, base = R.compute_reinforce_plus_plus_outcome_advantage(
+        rewards, torch.ones(1, n_valid), gamma=gamma
+    )
+    cols, keep = [], []
+    for k in range(n_valid + 1):
+        cols += [float("nan")] * inserts.count(k)
+        keep += [False] * inserts.count(k)
+        if k < n_valid:
+            cols.append(float(rewards[0, k]))
+            keep.append(True)
+    mask = torch.tensor([keep])
+    _, ret = R.compute_reinforce_plus_plus_outcome_advantage(
+        torch.tensor([cols], dtype=torch.float64), mask, gamma=gamma
+    )
+    torch.testing.assert_close(ret[mask], base[0], rtol=0, atol=1e-12)
+    assert torch.all(ret[~mask] == 0)

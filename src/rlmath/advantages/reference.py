@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 Rows = list[list[float]]
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def _keys(index: Any) -> list[Hashable]:
@@ -83,12 +84,18 @@ def _to_tokens(per_sample: Sequence[float], mask: torch.Tensor, dtype: torch.dty
     return torch.tensor(rows, dtype=dtype).reshape(mask.shape).to(mask.device)
 
 
-def _outcome(per_sample: Sequence[float], rewards: torch.Tensor, mask: torch.Tensor):
+def _outcome(per_sample: Sequence[float], rewards: torch.Tensor, mask: torch.Tensor) -> Pair:
     adv = _to_tokens(per_sample, mask, result_dtype(rewards))
     return adv, adv
 
 
-def grpo_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+def grpo_reference(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Pair:
     scores = _scores(rewards, mask)
     adv = [0.0] * len(scores)
     for members in _groups(index).values():
@@ -101,7 +108,13 @@ def grpo_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=T
     return _outcome(adv, rewards, mask)
 
 
-def grpo_passk_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+def grpo_passk_reference(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Pair:
     scores = _scores(rewards, mask)
     adv = [0.0] * len(scores)
     for members in _groups(index).values():
@@ -114,7 +127,9 @@ def grpo_passk_reference(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_
     return _outcome(adv, rewards, mask)
 
 
-def rloo_reference(rewards, mask, index, epsilon=1e-6):
+def rloo_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, index: Any, epsilon: float = 1e-6
+) -> Pair:
     scores = _scores(rewards, mask)
     adv = [0.0] * len(scores)
     for members in _groups(index).values():
@@ -126,7 +141,9 @@ def rloo_reference(rewards, mask, index, epsilon=1e-6):
     return _outcome(adv, rewards, mask)
 
 
-def opo_reference(rewards, mask, index, epsilon=1e-6):
+def opo_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, index: Any, epsilon: float = 1e-6
+) -> Pair:
     scores = _scores(rewards, mask)
     lengths = [sum(row) for row in _mask_rows(mask)]
     adv = [0.0] * len(scores)
@@ -140,7 +157,14 @@ def opo_reference(rewards, mask, index, epsilon=1e-6):
     return _outcome(adv, rewards, mask)
 
 
-def gpg_reference(rewards, mask, index, epsilon=1e-6, f_norm=1.0, alpha=None):
+def gpg_reference(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float | None = None,
+) -> Pair:
     scores = _scores(rewards, mask)
     if alpha is None:
         alpha = len(scores) / max(1, sum(1 for s in scores if s != 0))
@@ -168,14 +192,18 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
     return out
 
 
-def reinforce_plus_plus_reference(rewards, mask, *, gamma=1.0):
+def reinforce_plus_plus_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0
+) -> Pair:
     dtype = result_dtype(rewards)
     returns = torch.tensor(_discounted_returns(rewards, mask, gamma), dtype=dtype)
     returns = returns.reshape(rewards.shape)
     return masked_whiten(returns, mask != 0), returns
 
 
-def reinforce_plus_plus_baseline_reference(rewards, mask, index, epsilon=1e-6):
+def reinforce_plus_plus_baseline_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, index: Any, epsilon: float = 1e-6
+) -> Pair:
     scores = _scores(rewards, mask)
     centered = [0.0] * len(scores)
     for members in _groups(index).values():
@@ -190,7 +218,9 @@ def reinforce_plus_plus_baseline_reference(rewards, mask, index, epsilon=1e-6):
     return adv, adv
 
 
-def remax_reference(rewards, reward_baselines, mask):
+def remax_reference(
+    rewards: torch.Tensor, reward_baselines: torch.Tensor, mask: torch.Tensor
+) -> Pair:
     dtype = result_dtype(rewards, reward_baselines)
     returns = torch.tensor(_discounted_returns(rewards, mask, 1.0), dtype=dtype)
     returns = returns.reshape(rewards.shape)
@@ -203,15 +233,15 @@ def remax_reference(rewards, reward_baselines, mask):
 
 
 def gdpo_reference(
-    rewards,
-    mask,
-    index,
-    epsilon=1e-6,
-    norm_adv_by_std_in_grpo=True,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
     *,
-    reward_components=None,
-    reward_weights=None,
-):
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+) -> Pair:
     if reward_components is None:
         components = [[s] for s in _scores(rewards, mask)]
         dtype = result_dtype(rewards)
@@ -235,17 +265,17 @@ def gdpo_reference(
 
 
 def optimal_token_baseline_reference(
-    rewards,
-    mask,
-    index,
-    old_log_probs,
-    sum_pi_squared,
-    rollout_is_weights=None,
-    handle_zero_tail=True,
-    epsilon=1e-8,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
     *,
-    multi_turn=False,
-):
+    multi_turn: bool = False,
+) -> Pair:
     """Both OTB variants: per group, per aligned step, a weighted mean of the returns."""
     extra = [old_log_probs, sum_pi_squared]
     if rollout_is_weights is not None:
@@ -293,11 +323,12 @@ def optimal_token_baseline_reference(
         for k in range(length):
             at_k = [i for i in members if k in columns[i]]
             g = {i: returns[i][columns[i][k]] for i in at_k}
-            w = {i: cum_w[i][columns[i][k]] for i in at_k}
+            weight = {i: cum_w[i][columns[i][k]] for i in at_k}
             if all(g[i] == g[at_k[0]] for i in at_k):
                 baseline = dict(g)
             else:
-                b = math.fsum(g[i] * w[i] for i in at_k) / (math.fsum(w.values()) + epsilon)
+                total = math.fsum(weight.values()) + epsilon
+                b = math.fsum(g[i] * weight[i] for i in at_k) / total
                 baseline = {i: b for i in at_k}
             for i in at_k:
                 b_i = 0.0 if (i == tail_owner and k >= ranked[1]) else baseline[i]
