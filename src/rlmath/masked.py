@@ -60,6 +60,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: Axis = None) -> 
     return _safe_div(_sum(v * w, axis), _sum(w, axis))
 
 
+def _moments(
+    v: torch.Tensor, w: torch.Tensor, axis: Axis, unbiased: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean (kept dims) and variance (reduced) of prepared values and weights."""
+    n = _sum(w, axis, keepdim=True)
+    mean = _safe_div(_sum(v * w, axis, keepdim=True), n)
+    centered = torch.where(w != 0, v - mean, 0)
+    sq = _sum(centered * centered * w, axis)
+    n = n.reshape(sq.shape)
+    if not unbiased:
+        return mean, _safe_div(sq, n)
+    return mean, torch.where(n > 1, _safe_div(sq, n - 1), torch.zeros_like(sq))
+
+
 def masked_var(
     values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, axis: Axis = None
 ) -> torch.Tensor:
@@ -71,14 +85,7 @@ def masked_var(
     Dtype: fp32 (fp64 for fp64 inputs).
     """
     v, w = _prepare(values, mask)
-    n = _sum(w, axis, keepdim=True)
-    mean = _safe_div(_sum(v * w, axis, keepdim=True), n)
-    centered = torch.where(w != 0, v - mean, 0)
-    sq = _sum(centered * centered * w, axis)
-    n = n.reshape(sq.shape)
-    if not unbiased:
-        return _safe_div(sq, n)
-    return torch.where(n > 1, _safe_div(sq, n - 1), torch.zeros_like(sq))
+    return _moments(v, w, axis, unbiased)[1]
 
 
 def masked_whiten(
@@ -97,9 +104,7 @@ def masked_whiten(
     """
     check_in_range("eps", eps, 0.0, None, low_inclusive=False)
     v, w = _prepare(values, mask)
-    n = w.sum()
-    mean = _safe_div((v * w).sum(), n)
-    var = masked_var(values, mask, unbiased=True)
+    mean, var = _moments(v, w, None, unbiased=True)
     whitened = (v - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
