@@ -87,3 +87,14 @@ def test_help_lists_the_documented_flags():
         "--out",
     ):
         assert flag in out
+
+
+def test_ctrl_c_outside_the_loop_exits_130(monkeypatch, capsys):
+    import rlmath.demo.runner as runner
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_demo", interrupted)
+    assert main(["demo", "--steps", "1"]) == 130
+    assert "interrupted" in capsys.readouterr().err

@@ -136,7 +136,7 @@ def response_forward(
         # tokens at [S - R, S) are scored by positions [S - R - 1, S - 1).
         return rlmath.pad_input(packed.unsqueeze(-1), indices, b, s)[:, s - r - 1 : s - 1, 0]
 
-    out = ResponseOutputs(log_prob=torch.zeros(b, r))
+    out = ResponseOutputs(log_prob=torch.zeros(b, r, device=ids.device))
     if with_log_prob or with_entropy:
         logits_rmpad = model.lm_head(hidden_rmpad)  # [N, V]
         if with_log_prob:
