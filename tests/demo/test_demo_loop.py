@@ -101,3 +101,21 @@ def test_python_m_rlmath_demo(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2
     assert (tmp_path / "curves.png").exists()
+
+
+def test_runs_without_the_demo_extras(tmp_path, monkeypatch, capsys):
+    # None in sys.modules makes `import tqdm` / `import matplotlib` raise ImportError.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = run_demo(tiny("grpo", tmp_path, progress=True))
+    assert len(result.records) == 3
+    out = capsys.readouterr().out
+    assert "step 3/3: reward=" in out
+    assert "matplotlib is not installed" in out
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_progress_bar_shows_live_metrics(tmp_path, capsys):
+    run_demo(tiny("ppo", tmp_path, progress=True))
+    err = capsys.readouterr().err
+    assert "PPO" in err and "reward=" in err and "kl=" in err and "entropy=" in err

@@ -99,20 +99,13 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     trainer: Trainer = (PPOTrainer if cfg.algo == "ppo" else GRPOTrainer)(cfg, policy, task, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(out_dir / "metrics.jsonl")
-    bar = _progress(cfg)
+    bar = _Progress(cfg, stream) if cfg.progress else None
     try:
         for step in range(1, cfg.steps + 1):
             record = trainer.step(step)
             writer.write(record)
             if bar is not None:
-                bar.set_postfix(
-                    reward=f"{record['reward_mean']:.3f}",
-                    success=f"{record['success_rate']:.2f}",
-                    kl=f"{record['kl']:.4f}",
-                    entropy=f"{record['entropy']:.3f}",
-                    refresh=False,
-                )
-                bar.update(1)
+                bar.update(record)
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
@@ -127,22 +120,53 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             policy, task, n_prompts=256, generator=eval_gen, device=device
         )
     if result.records:
-        plot_curves(
-            result.records,
-            out_dir / "curves.png",
-            title=f"rlmath demo: {cfg.algo.upper()}, seed {cfg.seed}",
-        )
+        try:
+            plot_curves(
+                result.records,
+                out_dir / "curves.png",
+                title=f"rlmath demo: {cfg.algo.upper()}, seed {cfg.seed}",
+            )
+        except ImportError:
+            print(
+                "matplotlib is not installed: no curves.png (pip install 'rlmath[demo]')",
+                file=stream,
+            )
     result.seconds = time.perf_counter() - t_start
     _print_summary(cfg, result, stream)
     return result
 
 
-def _progress(cfg: DemoConfig):  # type: ignore[no-untyped-def]
-    if not cfg.progress:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """A tqdm bar with live reward / success / KL / entropy; plain lines without tqdm."""
 
-    return tqdm(total=cfg.steps, desc=f"{cfg.algo.upper()}", unit="step", dynamic_ncols=True)
+    def __init__(self, cfg: DemoConfig, stream: TextIO) -> None:
+        self.stream = stream
+        self.every = max(1, cfg.steps // 20)
+        self.total = cfg.steps
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=cfg.steps, desc=cfg.algo.upper(), unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict[str, float]) -> None:
+        live = {
+            "reward": f"{record['reward_mean']:.3f}",
+            "success": f"{record['success_rate']:.2f}",
+            "kl": f"{record['kl']:.4f}",
+            "entropy": f"{record['entropy']:.3f}",
+        }
+        if self.bar is not None:
+            self.bar.set_postfix(live, refresh=False)
+            self.bar.update(1)
+        elif record["step"] % self.every == 0 or record["step"] == self.total:
+            text = ", ".join(f"{k}={v}" for k, v in live.items())
+            print(f"step {int(record['step'])}/{self.total}: {text}", file=self.stream)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _print_summary(cfg: DemoConfig, result: DemoResult, stream: TextIO) -> None:
