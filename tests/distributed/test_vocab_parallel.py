@@ -316,7 +316,14 @@ def test_gradcheck_fused_head_world_one():
 
     def f(h, w, b):
         return vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-            h, w, labels, bias_shard=b, temperature=1.3, vocab_size=13, chunk_size=3
+            h,
+            w,
+            labels,
+            bias_shard=b,
+            temperature=1.3,
+            vocab_size=13,
+            chunk_size=3,
+            vocab_chunk_size=4,
         )
 
     assert gradcheck(f, (h, w, b))

@@ -168,10 +168,17 @@ def run_head_case(case: Case, world: int, r: int) -> dict:
     b = data["bias"][start : start + width].clone().requires_grad_()
     labels, coef = data["labels"], data["coef"]
     lp, ent = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-        h, w, labels, bias_shard=b, temperature=data["temperature"], chunk_size=7, **kw
+        h,
+        w,
+        labels,
+        bias_shard=b,
+        temperature=data["temperature"],
+        chunk_size=7,
+        vocab_chunk_size=10,
+        **kw,
     )
     (_loss(coef[0], lp) + _loss(coef[1], ent)).backward()
-    # Without bias and entropy, default chunking.
+    # Without bias and entropy, default chunk and tile sizes.
     h2 = data["hidden"].clone().requires_grad_()
     w2 = data["weight"][start : start + width].clone().requires_grad_()
     lp_nb, none = vp.vocab_parallel_log_probs_and_entropy_from_hidden(

@@ -44,7 +44,7 @@ import torch
 
 from rlmath._validation import check_same_shape
 from rlmath.distributed._collectives import ProcessGroup, all_reduce, rank, world_size
-from rlmath.distributed.vocab_parallel_head import VocabParallelHeadFn
+from rlmath.distributed.vocab_parallel_head import VocabParallelHeadFn, head_tile_sizes
 from rlmath.distributed.vocab_parallel_logits import (
     VocabParallelKLFn,
     VocabParallelLogProbsEntropyFn,
@@ -73,6 +73,10 @@ def _optional_int(name: str, value: object, low: int) -> int | None:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
+
+
+def _positive(name: str, value: object) -> int | None:
+    return _optional_int(name, value, 1)
 
 
 def shard_spec(
@@ -397,6 +401,7 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
     return_entropy: bool = True,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs and entropy of ``hidden @ W.T (+ b)`` with ``W`` split over the vocabulary.
@@ -420,7 +425,10 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
             as in :func:`vocab_parallel_log_probs_from_logits` (the local
             vocabulary is the rows of ``weight_shard``).
         return_entropy: also compute the entropy (skipped otherwise: ``None``).
-        chunk_size: rows per chunk (``None``: from ``V/tp``).
+        chunk_size: rows (tokens) per chunk (``None``: up to 512).
+        vocab_chunk_size: local vocabulary columns per tile (``None``: a block
+            of about 2M entries). Chunk sizes change speed and memory only
+            (results agree to rounding).
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``hidden.shape[:-1]``
@@ -461,7 +469,12 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
     temp = normalize_temperature(temperature, batch, compute_dtype(x), x.device, validate=validate)
     if validate:
         validate_layout(shard, width, rows, lab2d, x.device, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows)
+    tiles = head_tile_sizes(
+        rows,
+        width,
+        _positive("chunk_size", chunk_size),
+        _positive("vocab_chunk_size", vocab_chunk_size),
+    )
     logp, ent = VocabParallelHeadFn.apply(
         x.reshape(rows, x.shape[-1]),
         wt,
@@ -469,7 +482,7 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
         lab2d,
         temp,
         return_entropy,
-        chunk,
+        tiles,
         shard,
         group,
     )

@@ -1,9 +1,13 @@
 """The fused LM head with its weight split over the vocabulary: ``hidden @ W_k.T`` never stored.
 
-Forward computes one chunk of local logits at a time into a scratch buffer,
-reduces it with the same shard statistics as the logits version, and keeps
-only per-row numbers; backward recomputes each chunk, turns it into its
-gradient in place, and feeds it to the two matmuls of the head. The gradient
+Forward computes one block of local logits at a time (a chunk of rows by a
+tile of the local vocabulary) into a scratch buffer, reduces it with the same
+statistics as the logits version, merges the tiles' statistics per row and
+keeps only per-row numbers; backward recomputes each block, turns it into its
+gradient in place, and feeds it to the two matmuls of the head. Tiling the
+vocabulary as well as the rows keeps the row chunks long (efficient matmuls,
+the weight read once per chunk of hundreds of rows) while the scratch stays a
+few MiB whatever ``V/tp``. The gradient
 of ``hidden`` is the sum over ranks of each shard's ``g_k @ W_k``: it is
 accumulated in the compute dtype (fp32 for bf16) and all-reduced once, so
 every rank holds the same tensor, the unsharded gradient. The weight (and
@@ -23,17 +27,53 @@ from rlmath.distributed.vocab_parallel_logits import compute_dtype
 from rlmath.distributed.vocab_parallel_stats import (
     ShardSpec,
     Temperature,
+    TileWorkspace,
     combine_shard_stats,
     local_labels,
+    merge_stats,
     shard_chunk_grad,
     shard_chunk_stats,
 )
-from rlmath.logprobs._kernels import Workspace, grad_coefficients
+from rlmath.logprobs._kernels import grad_coefficients
 
-__all__ = ["VocabParallelHeadFn"]
+__all__ = ["DEFAULT_BLOCK_ELEMENTS", "DEFAULT_ROWS", "VocabParallelHeadFn", "head_tile_sizes"]
+
+DEFAULT_ROWS = 512
+"""Rows per chunk by default: matmuls with an inner dimension of hundreds of rows
+run at full speed, and the weight is read once per chunk."""
+
+DEFAULT_BLOCK_ELEMENTS = 2 * 1024 * 1024
+"""Entries of one ``(rows, vocab tile)`` block by default (8 MiB per fp32 buffer)."""
 
 
-def _chunk_logits(
+def head_tile_sizes(
+    num_rows: int, width: int, chunk_size: int | None, vocab_chunk_size: int | None
+) -> tuple[int, int]:
+    """``(rows per chunk, columns per tile)``; a value given by the caller is kept."""
+    if chunk_size is None:
+        rows = min(DEFAULT_ROWS, max(1, num_rows))
+        threads = max(1, torch.get_num_threads())
+        if rows > threads:
+            rows -= rows % threads
+    else:
+        rows = chunk_size
+    tile = vocab_chunk_size or max(1, min(width, DEFAULT_BLOCK_ELEMENTS // rows))
+    return rows, tile
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + step, total)) for lo in range(0, total, step)]
+
+
+def _tile_labels(
+    local: torch.Tensor, owned: torch.Tensor, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels owned by columns ``[lo, hi)``: ``(index into the tile (0 if not), in-tile mask)``."""
+    inside = owned & (local >= lo) & (local < hi)
+    return torch.where(inside, local - lo, 0), inside
+
+
+def _block_logits(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
     """``out = h @ weight.T (+ bias)`` in the inputs' dtype."""
@@ -52,7 +92,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         labels: ``(N, K)`` int64 global token ids.
         temperature: ``None``, float or ``(N,)`` compute-dtype tensor.
         want_entropy: bool.
-        chunk: rows per chunk.
+        tiles: ``(rows per chunk, columns per tile)``.
         shard: :class:`ShardSpec`.
         group: the tensor-parallel group.
 
@@ -69,41 +109,47 @@ class VocabParallelHeadFn(torch.autograd.Function):
         labels: torch.Tensor,
         temperature: torch.Tensor | float | None,
         want_entropy: bool,
-        chunk: int,
+        tiles: tuple[int, int],
         shard: ShardSpec,
         group: ProcessGroup | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         cdt, dev = compute_dtype(hidden), hidden.device
-        n = hidden.shape[0]
+        n, real = hidden.shape[0], shard.real
+        rows, tile = tiles
         temp = Temperature(temperature, cdt, dev)
         local, owned, valid = local_labels(labels, shard)
         m = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
         s = torch.zeros(n, dtype=cdt, device=dev)
         t = torch.zeros(n, dtype=cdt, device=dev) if want_entropy else None
         z = torch.zeros(labels.shape, dtype=cdt, device=dev)
-        if shard.real > 0 and n > 0:
-            w_real = weight[: shard.real]
-            b_real = bias[: shard.real] if bias is not None else None
-            ws = Workspace(min(chunk, n), shard.real, cdt, dev)
-            for a in range(0, n, chunk):
-                b = min(a + chunk, n)
-                buf = _chunk_logits(
-                    hidden[a:b], w_real, b_real, ws.get("logits", b - a, dtype=hidden.dtype)
-                )
-                cm, cs, ct, cz = shard_chunk_stats(
-                    buf, ws, temperature=temp.rows(a, b), labels=local[a:b], entropy=want_entropy
-                )
-                m[a:b], s[a:b] = cm, cs
-                if t is not None and ct is not None:
-                    t[a:b] = ct
-                if cz is not None:
-                    z[a:b] = cz
+        if real > 0 and n > 0:
+            ws = TileWorkspace(min(rows, n), min(tile, real), cdt, dev)
+            for a, b in _spans(n, rows):
+                h, temp_c = hidden[a:b], temp.rows(a, b)
+                for lo, hi in _spans(real, tile):
+                    ws.width = hi - lo
+                    buf = _block_logits(
+                        h,
+                        weight[lo:hi],
+                        bias[lo:hi] if bias is not None else None,
+                        ws.get("logits", b - a, dtype=hidden.dtype),
+                    )
+                    lab, inside = _tile_labels(local[a:b], owned[a:b], lo, hi)
+                    cm, cs, ct, cz = shard_chunk_stats(
+                        buf, ws, temperature=temp_c, labels=lab, entropy=want_entropy
+                    )
+                    tc = t[a:b] if t is not None else None
+                    m[a:b], s[a:b], tc = merge_stats(m[a:b], s[a:b], tc, cm, cs, ct)
+                    if t is not None and tc is not None:
+                        t[a:b] = tc
+                    assert cz is not None
+                    z[a:b] = torch.where(inside, cz, z[a:b])
         lse, ent, z_all = combine_shard_stats(m, s, t, z, owned, group)
         assert z_all is not None
         logp = torch.where(valid, z_all - lse.unsqueeze(-1), 0)
         ctx.save_for_backward(hidden, weight, bias, local, owned, valid, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.shard, ctx.group = temperature, chunk, shard, group
+        ctx.temperature, ctx.tiles, ctx.shard, ctx.group = temperature, tiles, shard, group
         if ent is None:
             ent = torch.empty(0, dtype=cdt, device=dev)
             ctx.mark_non_differentiable(ent)
@@ -124,47 +170,56 @@ class VocabParallelHeadFn(torch.autograd.Function):
         shard: ShardSpec = ctx.shard
         cdt, dev = lse.dtype, hidden.device
         n, real = hidden.shape[0], shard.real
+        rows, tile = ctx.tiles
         temp = Temperature(ctx.temperature, cdt, dev)
         alpha, beta, w = grad_coefficients(grad_logp, grad_ent, ent, temp.inv)
-        if w is not None:
-            w = torch.where(owned, w, 0)
         # Accumulators in the compute dtype; zero rows for padding columns.
         gh = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
         gw = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
         gb = torch.zeros(bias.shape, dtype=cdt, device=dev) if need_b else None
         if real > 0 and n > 0:
-            w_real = weight[:real]
-            b_real = bias[:real] if bias is not None else None
-            ws = Workspace(min(ctx.chunk, n), real, cdt, dev)
+            ws = TileWorkspace(min(rows, n), min(tile, real), cdt, dev)
             lse_col = lse.unsqueeze(-1)
             direct = hidden.dtype == cdt
-            for a in range(0, n, ctx.chunk):
-                b = min(a + ctx.chunk, n)
+            for a, b in _spans(n, rows):
                 h = hidden[a:b]
-                buf = _chunk_logits(h, w_real, b_real, ws.get("logits", b - a, dtype=hidden.dtype))
-                g = shard_chunk_grad(
-                    buf,
-                    ws,
-                    buf,
-                    lse=lse_col[a:b],
-                    alpha=alpha[a:b],  # type: ignore[index]
-                    beta=beta[a:b] if beta is not None else None,
-                    w=w[a:b] if w is not None else None,
-                    labels=local[a:b] if w is not None else None,
-                    temperature=temp.rows(a, b),
-                )
-                if gh is not None:
-                    if direct:
-                        torch.mm(g, w_real, out=gh[a:b])
-                    else:
-                        gh[a:b] = g @ w_real
-                if gw is not None:
-                    if direct:
-                        gw[:real].addmm_(g.t(), h)
-                    else:
-                        gw[:real] += g.t() @ h
-                if gb is not None:
-                    gb[:real] += g.sum(0, dtype=cdt)
+                for lo, hi in _spans(real, tile):
+                    ws.width = hi - lo
+                    w_tile = weight[lo:hi]
+                    buf = _block_logits(
+                        h,
+                        w_tile,
+                        bias[lo:hi] if bias is not None else None,
+                        ws.get("logits", b - a, dtype=hidden.dtype),
+                    )
+                    lab = coef = None
+                    if w is not None:
+                        # The one-hot part of ∂logp/∂z: only on the columns holding the label.
+                        lab, inside = _tile_labels(local[a:b], owned[a:b], lo, hi)
+                        coef = torch.where(inside, w[a:b], 0)
+                    g = shard_chunk_grad(
+                        buf,
+                        ws,
+                        buf,
+                        lse=lse_col[a:b],
+                        alpha=alpha[a:b],  # type: ignore[index]
+                        beta=beta[a:b] if beta is not None else None,
+                        w=coef,
+                        labels=lab,
+                        temperature=temp.rows(a, b),
+                    )
+                    if gh is not None:
+                        if direct:
+                            gh[a:b].addmm_(g, w_tile)
+                        else:
+                            gh[a:b] += g @ w_tile
+                    if gw is not None:
+                        if direct:
+                            gw[lo:hi].addmm_(g.t(), h)
+                        else:
+                            gw[lo:hi] += g.t() @ h
+                    if gb is not None:
+                        gb[lo:hi] += g.sum(0, dtype=cdt)
         if gh is not None and is_distributed(ctx.group):
             # Σ over shards of g_k @ W_k; every rank gets the same buffer back.
             dist.all_reduce(gh, group=ctx.group)

@@ -33,8 +33,10 @@ from rlmath.logprobs._kernels import (
 __all__ = [
     "ShardSpec",
     "Temperature",
+    "TileWorkspace",
     "combine_shard_stats",
     "local_labels",
+    "merge_stats",
     "shard_chunk_grad",
     "shard_chunk_stats",
 ]
@@ -87,6 +89,53 @@ class Temperature:
     def scale(self, x: torch.Tensor) -> torch.Tensor:
         """``x / T`` for an ``(N, K)`` tensor of raw logits (already in the compute dtype)."""
         return x if self.col is None else x / self.col
+
+
+class TileWorkspace(Workspace):
+    """A :class:`Workspace` whose buffers have the width of the current vocabulary tile.
+
+    The kernels ask for ``ws.get(name, c)`` and expect a ``(c, width)`` buffer
+    matching their input; the last tile of a shard is narrower than the
+    others. Each named buffer is one flat allocation of ``rows × vocab``
+    entries viewed as a contiguous ``(c, width)`` matrix for the current
+    :attr:`width`.
+    """
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(rows, vocab, dtype, device)
+        self.width = vocab
+        self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, c: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dt = dtype or self.dtype
+        buf = self._flat.get((name, dt))
+        if buf is None:
+            buf = torch.empty(self.rows * self.vocab, dtype=dt, device=self.device)
+            self._flat[(name, dt)] = buf
+        return buf[: c * self.width].view(c, self.width)
+
+
+def merge_stats(
+    m1: torch.Tensor,
+    s1: torch.Tensor,
+    t1: torch.Tensor | None,
+    m2: torch.Tensor,
+    s2: torch.Tensor,
+    t2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row ``(m, s, t)`` of the union of two column sets (the rule of the module docstring).
+
+    Either side may be a row without mass (``m = -inf``, ``s = t = 0``).
+    """
+    big = torch.maximum(m1, m2)
+    d1 = torch.where(m1 == float("-inf"), 0, m1 - big)
+    d2 = torch.where(m2 == float("-inf"), 0, m2 - big)
+    e1, e2 = d1.exp(), d2.exp()
+    s = e1 * s1 + e2 * s2
+    t = None
+    if t1 is not None and t2 is not None:
+        t = e1 * (t1 + d1 * s1) + e2 * (t2 + d2 * s2)
+    return big, s, t
 
 
 def local_labels(
