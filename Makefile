@@ -6,17 +6,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmath-installed
 
-.PHONY: demo test lint typecheck bench
+.PHONY: demo test lint typecheck bench peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,dev,demo]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/rlmath demo
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: $(STAMP)
@@ -32,3 +31,8 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+
+# Differential tests against verl 0.9.1 and TRL 0.24, in their own environment.
+peers:
+	test -x .venv-peers/bin/python || bash tests/peers/setup_peers_env.sh
+	.venv-peers/bin/python -m pytest -q -p no:cacheprovider tests/peers
