@@ -261,6 +261,15 @@ def test_validate_catches_bad_layouts_on_every_rank(tp_results, world):
         assert v["ok"] == ""
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_example_matches_single_process(tp_results, world):
+    """examples/distributed_logprobs.py (run inside the same spawn) reports tiny differences."""
+    for res in tp_results[world]:
+        diffs = res["example"]
+        assert set(diffs) == {"log_probs", "entropy", "grad_logits"}
+        assert max(diffs.values()) < 1e-10
+
+
 # ------------------------------------------------- single process (world of one)
 
 
@@ -308,10 +317,10 @@ def test_gradcheck_kl_world_one():
 
 def test_gradcheck_fused_head_world_one():
     g = torch.Generator().manual_seed(2)
-    h = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(15, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(15, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, 13, (2, 5), generator=g)
+    h = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (2, 3), generator=g)
     labels[1, 2] = IGNORE
 
     def f(h, w, b):
@@ -321,8 +330,8 @@ def test_gradcheck_fused_head_world_one():
             labels,
             bias_shard=b,
             temperature=1.3,
-            vocab_size=13,
-            chunk_size=3,
+            vocab_size=9,
+            chunk_size=4,
             vocab_chunk_size=4,
         )
 

@@ -9,8 +9,10 @@ with the single-process rlmath functions on the whole vocabulary.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -238,4 +240,15 @@ def tp_worker(case_names: list[str]) -> dict:
             continue
         out[case.name] = (run_head_case if case.hidden else run_logits_case)(case, world, r)
     out["validation"] = run_validation_checks(world, r)
+    out["example"] = _example_module().demo(verbose=False)
     return out
+
+
+def _example_module():
+    """``examples/distributed_logprobs.py``, run inside this spawn (no extra process start-up)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "distributed_logprobs.py"
+    spec = importlib.util.spec_from_file_location("distributed_logprobs_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
