@@ -1,0 +1,19 @@
+"""Fused LM head: label log-probs and entropies from hidden states, never materializing the logits.
+
+:func:`log_probs_and_entropy_from_hidden` equals ``hidden @ weight.T (+ bias)``
+followed by :func:`rlmath.log_probs_and_entropy_from_logits`, computed block by
+block with the logprobs engine's chunk primitives and recomputed in backward,
+so the ``(N, V)`` logits and their gradient never exist. See ``docs/fused_head.md``.
+"""
+
+from rlmath.fused_head.from_hidden import (
+    linear_logprobs_entropy,
+    log_probs_and_entropy_from_hidden,
+)
+from rlmath.fused_head.module import FusedLMHeadLogProbs
+
+__all__ = [
+    "FusedLMHeadLogProbs",
+    "linear_logprobs_entropy",
+    "log_probs_and_entropy_from_hidden",
+]

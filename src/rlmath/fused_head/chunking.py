@@ -1,0 +1,80 @@
+"""How the fused head tiles the ``(N, V)`` logits it never materializes.
+
+The head works on one ``(rows, vocab_tile)`` block of logits at a time. Two
+things pull the block size in opposite directions:
+
+* Matmul efficiency. Every block costs three matmuls with inner dimension
+  ``H`` (the logits, and in backward ``grad_hidden`` and ``grad_weight``), and
+  the ``grad_weight`` update ``g.T @ hidden_chunk`` has inner dimension
+  ``rows``: with few rows it rereads and rewrites the ``(vocab_tile, H)``
+  slice of the weight gradient for little arithmetic and becomes memory bound.
+  The weight is also read once per row chunk. So ``rows`` must be in the
+  hundreds (measured on a 2-core CPU: 256 to 1024 rows all reach the matmul's
+  full speed, 64 rows lose about a third).
+* Memory and cache. A few scratch buffers of the block's size live at once;
+  about 2 M entries (8 MiB in fp32) keeps them a few percent of the logits'
+  size for real shapes while each thread's share of a block stays near its
+  L2 cache.
+
+Tiling over the vocabulary as well as the rows makes the scratch size
+independent of ``V``: a 152k vocabulary costs no more scratch than a 32k one.
+The chunk sizes change speed and memory only; results agree to rounding
+(the per-row statistics of the vocabulary tiles are combined exactly, and
+the matmul of a block may round differently from that of a different block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DEFAULT_BLOCK_ELEMENTS", "DEFAULT_ROWS", "auto_tile_sizes"]
+
+DEFAULT_ROWS = 512
+"""Rows (tokens) per chunk when the caller does not choose."""
+
+DEFAULT_BLOCK_ELEMENTS = 2 * 1024 * 1024
+"""Target entries of one ``(rows, vocab_tile)`` block (8 MiB in fp32)."""
+
+# Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
+# a block of at least _MIN_BLOCK entries keeps tiny inputs from tiling absurdly.
+_MAX_FRACTION = 64
+_MIN_BLOCK = 64 * 1024
+
+
+def auto_tile_sizes(
+    num_rows: int,
+    vocab_size: int,
+    *,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+) -> tuple[int, int]:
+    """``(rows, vocab_tile)`` per block, each given value kept as is.
+
+    ``rows`` defaults to :data:`DEFAULT_ROWS` (fewer for short inputs, rounded
+    to a multiple of the intra-op thread count); ``vocab_tile`` fills a block of
+    :data:`DEFAULT_BLOCK_ELEMENTS` entries, or 1/64 of the ``N·V`` logits when
+    that is smaller (but never below 64k entries).
+
+    Args:
+        num_rows: ``N``, the number of tokens.
+        vocab_size: ``V``.
+        chunk_size: rows per chunk chosen by the caller, or ``None``.
+        vocab_chunk_size: vocabulary entries per tile chosen by the caller, or ``None``.
+
+    Returns:
+        Two positive ints.
+    """
+    n, v = max(1, num_rows), max(1, vocab_size)
+    if chunk_size is None:
+        rows = min(DEFAULT_ROWS, n)
+        threads = max(1, torch.get_num_threads())
+        if rows > threads:
+            rows -= rows % threads
+    else:
+        rows = chunk_size
+    if vocab_chunk_size is None:
+        block = max(_MIN_BLOCK, min(DEFAULT_BLOCK_ELEMENTS, n * v // _MAX_FRACTION))
+        tile = min(v, max(1, block // min(rows, n)))
+    else:
+        tile = vocab_chunk_size
+    return rows, tile
