@@ -8,7 +8,7 @@ every recurrence over time.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -20,6 +20,9 @@ from rlmath._validation import (
     result_dtype,
 )
 from rlmath.advantages.groups import group_ids
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__: list[str] = []
 
@@ -67,6 +70,7 @@ def whiten_batch(
     *,
     counts: torch.Tensor | None = None,
     inplace: bool = False,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Masked whitening over every valid token of the batch.
 
@@ -87,7 +91,19 @@ def whiten_batch(
     - ``counts=``: per-sample values ``(B,)`` that stand for ``counts[i]``
       identical valid tokens each (outcome estimators); the statistics are the
       same token-level ones, computed on ``B`` numbers. The caller broadcasts.
+
+    With a ``group`` (data parallel: the batch is split over its ranks) the
+    statistics are those of the batch concatenated over the ranks, from
+    :func:`rlmath.distributed.data_parallel.masked_whiten` (every rank must
+    call; ``counts`` act as per-sample weights there).
     """
+    if group is not None:
+        # Imported here: single-process callers never load torch.distributed code.
+        from rlmath.distributed.data_parallel import masked_whiten
+
+        weights = valid if counts is None else counts
+        assert weights is not None
+        return masked_whiten(values, weights, group=group)
     if counts is None:
         assert valid is not None
         n = torch.count_nonzero(valid).to(values.dtype)

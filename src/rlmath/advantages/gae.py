@@ -13,6 +13,8 @@ and solves ``A[k] = δ[k] + γλ · A[k+1]`` with the tree scan of
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rlmath._validation import result_dtype
@@ -28,6 +30,9 @@ from rlmath.advantages.registry import register_advantage_estimator
 from rlmath.advantages.scan import _reverse_scan
 from rlmath.masked import masked_whiten
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["compute_gae_advantage_return", "compute_gae_advantage_return_reference"]
 
 
@@ -41,6 +46,7 @@ def compute_gae_advantage_return(
     lam: float,
     *,
     whiten: bool = True,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE advantages and value targets over the valid tokens of each response.
 
@@ -60,6 +66,10 @@ def compute_gae_advantage_return(
         gamma: Discount ``γ`` in ``[0, 1]`` (float or 0-d tensor).
         lam: GAE ``λ`` in ``[0, 1]`` (float or 0-d tensor).
         whiten: Whiten the advantages over the batch (verl always does).
+        group: ``torch.distributed`` process group over which the batch is
+            split (data parallel): whitening uses the mean and variance of the
+            whole batch across its ranks, and every rank must call. ``None``
+            (default): this process's batch only.
 
     Returns:
         ``(advantages, returns)``, each shape ``(B, T)``, fp32 (fp64 when an
@@ -86,7 +96,7 @@ def compute_gae_advantage_return(
     advantages = tokens.unpack(adv_packed)
     returns = tokens.unpack(v_packed.add_(adv_packed))
     if whiten:
-        advantages = whiten_batch(advantages, valid, inplace=True)
+        advantages = whiten_batch(advantages, valid, inplace=True, group=group)
     return advantages, returns
 
 

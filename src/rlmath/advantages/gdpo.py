@@ -8,7 +8,7 @@ group first, sums them with weights, then whitens over the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from rlmath.advantages._common import (
 )
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["compute_gdpo_outcome_advantage"]
 
@@ -36,6 +39,7 @@ def compute_gdpo_outcome_advantage(
     *,
     reward_components: torch.Tensor | None = None,
     reward_weights: Sequence[float] | torch.Tensor | None = None,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-component GRPO normalization, weighted sum, then batch whitening.
 
@@ -61,6 +65,11 @@ def compute_gdpo_outcome_advantage(
             reward component (verl's ``gdpo_reward_keys``) per response.
         reward_weights: ``K`` weights (verl's ``gdpo_reward_weights``);
             default all 1.
+        group: ``torch.distributed`` process group over which the batch is
+            split (data parallel): whitening uses the mean and variance of the
+            whole batch across its ranks, and every rank must call. ``None``
+            (default): this process's batch only. Groups of ``index`` are
+            formed per rank: keep each group on one rank.
 
     Returns:
         ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
@@ -86,7 +95,7 @@ def compute_gdpo_outcome_advantage(
     m = group_moments(components, x.ids)
     normalized = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
     combined = (normalized * weights).sum(-1)
-    whitened = whiten_batch(combined, counts=valid_counts(x.valid))
+    whitened = whiten_batch(combined, counts=valid_counts(x.valid), group=group)
     advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
     return advantages, advantages
 

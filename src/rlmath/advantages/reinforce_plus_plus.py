@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from rlmath.advantages._common import (
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
 from rlmath.advantages.scan import _reverse_scan
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
@@ -45,6 +48,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     response_mask: torch.Tensor,
     *,
     gamma: float = 1.0,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted return-to-go per token, whitened over the batch.
 
@@ -59,6 +63,10 @@ def compute_reinforce_plus_plus_outcome_advantage(
         token_level_rewards: Shape ``(B, T)``, floating.
         response_mask: Shape ``(B, T)``, bool or 0/1.
         gamma: Discount ``γ`` in ``[0, 1]`` (verl's ``algorithm.gamma``, default 1).
+        group: ``torch.distributed`` process group over which the batch is
+            split (data parallel): whitening uses the mean and variance of the
+            whole batch across its ranks, and every rank must call. ``None``
+            (default): this process's batch only.
 
     Returns:
         ``(advantages, returns)``, each ``(B, T)``, fp32 (fp64 for fp64
@@ -67,7 +75,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     g = as_unit_scalar("gamma", gamma)
     x = outcome_inputs(token_level_rewards, response_mask, grouped=False)
     returns = discounted_returns(x.rewards, x.valid, g)
-    return whiten_batch(returns, x.valid), returns
+    return whiten_batch(returns, x.valid, group=group), returns
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
@@ -77,6 +85,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     response_mask: torch.Tensor,
     index: Any,
     epsilon: float = 1e-6,
+    *,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s − mean_g`` broadcast to the valid tokens, then whitened over the batch.
 
@@ -90,6 +100,11 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         response_mask: Shape ``(B, T)``, bool or 0/1.
         index: Group id per sample (tensor, numpy array or list of hashable ids).
         epsilon: Unused; kept for verl's signature.
+        group: ``torch.distributed`` process group over which the batch is
+            split (data parallel): whitening uses the mean and variance of the
+            whole batch across its ranks, and every rank must call. ``None``
+            (default): this process's batch only. Groups of ``index`` are
+            formed per rank: keep each group on one rank.
 
     Returns:
         ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
@@ -99,6 +114,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     centered = group_moments(x.scores, x.ids).centered
-    whitened = whiten_batch(centered, counts=valid_counts(x.valid))
+    whitened = whiten_batch(centered, counts=valid_counts(x.valid), group=group)
     advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
     return advantages, advantages
