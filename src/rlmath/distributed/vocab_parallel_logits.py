@@ -27,11 +27,11 @@ from rlmath.distributed.vocab_parallel_stats import (
     local_labels,
     shard_chunk_grad,
     shard_chunk_stats,
+    shard_kl_grad,
 )
 from rlmath.logprobs._functions import RowBlocks, chunk_ranges
 from rlmath.logprobs._kernels import (
     Workspace,
-    chunk_kl_grad,
     grad_coefficients,
     row_nansum,
     row_sum,
@@ -180,9 +180,10 @@ def _shard_kl_chunk(
     """``(KL_k, lse_z_k, lse_r_k)`` of one chunk: the KL of the two distributions
     restricted to this shard's columns and their local log-sum-exps.
 
-    Like :func:`rlmath.logprobs._kernels.chunk_kl_forward` (a weighted sum of
-    small per-entry differences), except that a row whose shard logits are all
-    ``-inf`` gives ``lse = -inf`` (shift by 0 instead of ``-inf``) rather than NaN.
+    ``KL_k = Σ_j p_j·(ls^z_j - ls^r_j)`` (local normalization), a weighted sum
+    of small per-entry differences rather than a difference of large sums. A
+    row whose shard logits are all ``-inf`` gives ``lse = -inf`` (shifted by 0
+    instead of ``-inf``, which would give NaN) and ``KL_k = 0``.
     """
     c = src_z.shape[0]
     e = ws.get("e", c)
@@ -291,7 +292,7 @@ class VocabParallelKLFn(torch.autograd.Function):
             cols = [x.unsqueeze(-1) for x in (g, lse_z, lse_r, kl)]
             layouts = [x for x in (lay_z, lay_r, dz, dr) if x is not None]
             for a, b in chunk_ranges(n, ctx.chunk, *layouts):
-                chunk_kl_grad(
+                shard_kl_grad(
                     lay_z.get(a, b),
                     lay_r.get(a, b),
                     ws,

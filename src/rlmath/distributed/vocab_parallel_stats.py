@@ -24,7 +24,6 @@ import torch
 from rlmath.distributed._collectives import ProcessGroup, all_reduce
 from rlmath.logprobs._kernels import (
     Workspace,
-    chunk_grad,
     chunk_stats,
     finish_stats,
     scaled_shift,
@@ -39,11 +38,10 @@ __all__ = [
     "merge_stats",
     "shard_chunk_grad",
     "shard_chunk_stats",
+    "shard_kl_grad",
 ]
 
-# Any log-prob below this has exp() == 0 exactly in fp32 and fp64, so clamping to
-# it changes no term of the gradient, while -inf · β (or finfo.min · β with
-# |β| > 1, which overflows) would turn the zero terms into NaN.
+# Any log-prob below this has exp() == 0 exactly in fp32 and fp64.
 _ZERO_PROB_LOG = -1.0e4
 
 
@@ -239,36 +237,92 @@ def shard_chunk_grad(
     labels: torch.Tensor | None,
     temperature: torch.Tensor | None,
 ) -> torch.Tensor:
-    """:func:`rlmath.logprobs._kernels.chunk_grad` (same arguments, general path) for
-    logits that may hold ``-inf``.
+    """Write the gradient of one chunk of local columns into ``out``.
 
-    ``chunk_grad`` clamps ``ls`` to the dtype's finite minimum before forming
-    ``alpha + beta·ls``; with an entropy gradient ``|beta| > 1`` that product
-    overflows to ``∓inf`` and ``0·inf`` gives NaN on ``-inf`` logits (padding
-    columns). Here ``ls`` is clamped to ``-1e4`` instead, where ``p`` is
-    already exactly 0. Without an entropy term the shared kernel is used as is.
+    ``grad_j = p_j·(alpha + beta·ls_j) + Σ_k w_k·[j = label_k]`` (see
+    :func:`rlmath.logprobs._kernels.grad_coefficients`) with ``ls = z/T - lse``
+    from the *global* log-sum-exp, so each rank writes its own columns of the
+    full-vocabulary gradient. Formed in the compute dtype and rounded to
+    ``out``'s dtype once; ``out`` may alias ``src``.
+
+    ``ls`` is clamped to ``-1e4`` before the entropy term: there ``p`` is
+    already exactly 0, whereas ``-inf`` (or the dtype's finite minimum times
+    ``|beta| > 1``, which overflows) would turn the zero terms of ``-inf``
+    logits (padding columns) into NaN.
+
+    Args:
+        src: ``(c, V_local)`` raw logits, any floating dtype and strides.
+        ws: scratch buffers (uses ``"y"`` and, when ``out`` is not in the compute
+            dtype, ``"g"``).
+        out: ``(c, V_local)`` destination, any floating dtype.
+        lse: ``(c, 1)`` global log-sum-exp of ``src / T``, compute dtype.
+        alpha: ``(c, 1)``; beta: ``(c, 1)`` or ``None``; w: ``(c, K)`` or ``None``
+            (zero for labels this chunk does not hold).
+        labels: ``(c, K)`` int64 local column indices, needed with ``w``.
+        temperature: ``None`` or ``(c, 1)`` / ``(1, 1)`` compute-dtype tensor.
     """
-    if beta is None:
-        return chunk_grad(
-            src,
-            ws,
-            out,
-            lse=lse,
-            alpha=alpha,
-            w=w,
-            labels=labels,
-            temperature=temperature,
-        )
     c = src.shape[0]
     direct = out.dtype == ws.dtype
     work = out if direct else ws.get("g", c)
     ls = scaled_shift(src, temperature, lse, ws.get("y", c))
     p = torch.exp(ls, out=work)
-    ls.clamp_min_(_ZERO_PROB_LOG)
-    p.mul_(torch.addcmul(alpha, ls, beta, out=ls))
+    if beta is not None:
+        ls.clamp_min_(_ZERO_PROB_LOG)
+        p.mul_(torch.addcmul(alpha, ls, beta, out=ls))
+    else:
+        p.mul_(alpha)
     if w is not None:
         assert labels is not None
         p.scatter_add_(1, labels, w)
     if not direct:
         out.copy_(p)
     return out
+
+
+def shard_kl_grad(
+    src_z: torch.Tensor,
+    src_r: torch.Tensor,
+    ws: Workspace,
+    *,
+    lse_z: torch.Tensor,
+    lse_r: torch.Tensor,
+    kl: torch.Tensor,
+    grad: torch.Tensor,
+    out_z: torch.Tensor | None,
+    out_r: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+) -> None:
+    """Local columns of the gradients of ``Σ g·KL(p‖q)``.
+
+    ``g·p·(ls_z - ls_r - KL)/T`` for the policy logits and ``g·(q - p)/T`` for
+    the reference, with ``ls = z/T - lse`` from the global log-sum-exps.
+    ``ls`` is clamped to the dtype's finite minimum and ``p`` multiplies the
+    difference before ``g`` does, so entries with ``p = 0`` are exact zeros.
+
+    Args:
+        src_z, src_r: ``(c, V_local)`` raw policy and reference logits.
+        ws: scratch buffers (``"y"``, ``"yr"``, ``"e"``, ``"gz"``, ``"gr"``).
+        lse_z, lse_r, kl: ``(c, 1)`` global values saved by the forward.
+        grad: ``(c, 1)`` upstream gradient of the KL, already divided by ``T``.
+        out_z, out_r: ``(c, V_local)`` destinations, or ``None``.
+        temperature: ``None`` or ``(c, 1)`` / ``(1, 1)`` compute-dtype tensor.
+    """
+    c = src_z.shape[0]
+    fmin = torch.finfo(ws.dtype).min
+    lz = scaled_shift(src_z, temperature, lse_z, ws.get("y", c))
+    lr = scaled_shift(src_r, temperature, lse_r, ws.get("yr", c))
+    if out_z is not None:
+        pz = out_z if out_z.dtype == ws.dtype else ws.get("gz", c)
+    else:
+        pz = ws.get("e", c)
+    p = torch.exp(lz, out=pz)
+    if out_r is not None:
+        qr = out_r if out_r.dtype == ws.dtype else ws.get("gr", c)
+        q = torch.exp(lr, out=qr).sub_(p).mul_(grad)
+        if q is not out_r:
+            out_r.copy_(q)
+    if out_z is not None:
+        d = lz.clamp_min_(fmin).sub_(lr.clamp_min_(fmin)).sub_(kl)
+        p.mul_(d).mul_(grad)
+        if p is not out_z:
+            out_z.copy_(p)
