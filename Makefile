@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/rlmath demo
+	$(VENV)/bin/rlmath demo $(ARGS)
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: $(STAMP)

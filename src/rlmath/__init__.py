@@ -30,15 +30,15 @@ from rlmath.tensor_utils import *
 
 __version__ = "0.1.0"
 
-__all__ = [
-    *masked.__all__,
-    *tensor_utils.__all__,
-    *padding.__all__,
-    *kl.__all__,
-    *kl_controllers.__all__,
-    *rewards.__all__,
-    *schedules.__all__,
-    *logprobs.__all__,
-    *advantages.__all__,
-    *losses.__all__,
-]
+# Written as += so that type checkers follow the re-exports.
+__all__: list[str] = []
+__all__ += masked.__all__
+__all__ += tensor_utils.__all__
+__all__ += padding.__all__
+__all__ += kl.__all__
+__all__ += kl_controllers.__all__
+__all__ += rewards.__all__
+__all__ += schedules.__all__
+__all__ += logprobs.__all__
+__all__ += advantages.__all__
+__all__ += losses.__all__

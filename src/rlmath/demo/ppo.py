@@ -63,6 +63,7 @@ class PPOTrainer(Trainer):
                 mb = batch.select(rows.to(self.device))
                 vpreds = response_forward(self.critic, mb, with_log_prob=False, with_values=True)
                 assert vpreds.values is not None and mb.returns is not None
+                assert mb.values is not None
                 vf_loss, vf_clipfrac = rlmath.compute_value_loss(
                     vpreds.values,
                     mb.returns,

@@ -11,53 +11,100 @@ data parallelism and gradient accumulation when given the global counts of
 with the device; metrics are detached 0-d tensors.
 """
 
-from rlmath.losses import (
-    aggregation,
-    cispo,
-    clip_cov,
-    dppo,
-    dro,
-    entropy_loss,
-    geo_mean,
-    gpg,
-    gspo,
-    ppo_clip,
-    registry,
-    reinforce,
-    rollout_is,
-    sapo,
-    value_loss,
+from rlmath.losses.aggregation import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    global_batch_info,
 )
-from rlmath.losses.aggregation import *
-from rlmath.losses.cispo import *
-from rlmath.losses.clip_cov import *
-from rlmath.losses.dppo import *
-from rlmath.losses.dro import *
-from rlmath.losses.entropy_loss import *
-from rlmath.losses.geo_mean import *
-from rlmath.losses.gpg import *
-from rlmath.losses.gspo import *
-from rlmath.losses.ppo_clip import *
-from rlmath.losses.registry import *
-from rlmath.losses.reinforce import *
-from rlmath.losses.rollout_is import *
-from rlmath.losses.sapo import *
-from rlmath.losses.value_loss import *
+from rlmath.losses.cispo import (
+    compute_policy_loss_cispo,
+)
+from rlmath.losses.clip_cov import (
+    clip_cov_selection,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_kl_cov,
+    kl_cov_selection,
+)
+from rlmath.losses.dppo import (
+    binary_kl,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+)
+from rlmath.losses.dro import (
+    compute_policy_loss_dro,
+)
+from rlmath.losses.entropy_loss import (
+    compute_entropy_loss,
+)
+from rlmath.losses.geo_mean import (
+    compute_policy_loss_geo_mean,
+)
+from rlmath.losses.gpg import (
+    compute_policy_loss_gpg,
+)
+from rlmath.losses.gspo import (
+    compute_policy_loss_gspo,
+    compute_policy_loss_gspo_seq,
+    compute_policy_loss_gspo_token,
+    sequence_log_ratio,
+)
+from rlmath.losses.ppo_clip import (
+    compute_policy_loss_vanilla,
+    ppo_clip_regions,
+)
+from rlmath.losses.registry import (
+    get_policy_loss,
+    get_policy_loss_fn,
+    list_policy_losses,
+    register_policy_loss,
+)
+from rlmath.losses.reinforce import (
+    compute_policy_loss_reinforce,
+)
+from rlmath.losses.rollout_is import (
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+    RolloutCorrection,
+    rollout_correction,
+)
+from rlmath.losses.sapo import (
+    compute_policy_loss_sapo,
+)
+from rlmath.losses.value_loss import (
+    compute_value_loss,
+)
 
 __all__ = [
-    *aggregation.__all__,
-    *cispo.__all__,
-    *clip_cov.__all__,
-    *dppo.__all__,
-    *dro.__all__,
-    *entropy_loss.__all__,
-    *geo_mean.__all__,
-    *gpg.__all__,
-    *gspo.__all__,
-    *ppo_clip.__all__,
-    *registry.__all__,
-    *reinforce.__all__,
-    *rollout_is.__all__,
-    *sapo.__all__,
-    *value_loss.__all__,
+    "LOSS_AGG_MODES",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_CORRECTION_MODES",
+    "RolloutCorrection",
+    "agg_loss",
+    "binary_kl",
+    "clip_cov_selection",
+    "compute_entropy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_gspo_seq",
+    "compute_policy_loss_gspo_token",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_vanilla",
+    "compute_value_loss",
+    "get_policy_loss",
+    "get_policy_loss_fn",
+    "global_batch_info",
+    "kl_cov_selection",
+    "list_policy_losses",
+    "ppo_clip_regions",
+    "register_policy_loss",
+    "rollout_correction",
+    "sequence_log_ratio",
 ]

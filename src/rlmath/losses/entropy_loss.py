@@ -5,29 +5,10 @@ from __future__ import annotations
 import torch
 
 from rlmath._validation import check_mask, check_tensor
+from rlmath.logprobs.entropy import entropy_from_logits
 from rlmath.losses.aggregation import Count, agg_loss
 
 __all__ = ["compute_entropy_loss"]
-
-
-def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-row entropy via :func:`rlmath.entropy_from_logits` (chunked, memory-bounded).
-
-    Until that function exists in :mod:`rlmath.logprobs` a plain fp32
-    implementation stands in with the same semantics (−inf logits give 0·(−inf)
-    terms dropped, not NaN).
-    """
-    from rlmath import logprobs
-
-    fn = getattr(logprobs, "entropy_from_logits", None)
-    if fn is not None:
-        return fn(logits, temperature=temperature)
-    z = logits.float() if logits.dtype != torch.float64 else logits
-    if temperature != 1.0:
-        z = z / temperature
-    # H = logsumexp(z) − Σ p·z, with −inf logits (p = 0) contributing exactly 0.
-    finite_z = torch.where(z == -torch.inf, 0, z)
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * finite_z).sum(dim=-1)
 
 
 def compute_entropy_loss(
@@ -70,7 +51,7 @@ def compute_entropy_loss(
     if sanitize_logits:
         valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
         logits = torch.where(valid.unsqueeze(-1), logits, 0)
-    entropy = _entropy(logits, float(temperature))
+    entropy = entropy_from_logits(logits, temperature=float(temperature))
     return agg_loss(
         entropy, response_mask, loss_agg_mode,
         global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
