@@ -180,11 +180,18 @@ def run_head_case(case: Case, world: int, r: int) -> dict:
         **kw,
     )
     (_loss(coef[0], lp) + _loss(coef[1], ent)).backward()
-    # Without bias and entropy, default chunk and tile sizes.
+    # Without bias and entropy, default chunk and tile sizes, and each rank keeps
+    # its own part of grad_hidden (the test sums them).
     h2 = data["hidden"].clone().requires_grad_()
     w2 = data["weight"][start : start + width].clone().requires_grad_()
     lp_nb, none = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-        h2, w2, labels, temperature=data["temperature"], return_entropy=False, **kw
+        h2,
+        w2,
+        labels,
+        temperature=data["temperature"],
+        return_entropy=False,
+        reduce_grad_hidden=False,
+        **kw,
     )
     _loss(coef[2], lp_nb).backward()
     return {

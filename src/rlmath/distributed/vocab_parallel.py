@@ -399,6 +399,7 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
     vocab_start_index: int | None = None,
     vocab_size: int | None = None,
     return_entropy: bool = True,
+    reduce_grad_hidden: bool = True,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
@@ -425,6 +426,13 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
             as in :func:`vocab_parallel_log_probs_from_logits` (the local
             vocabulary is the rows of ``weight_shard``).
         return_entropy: also compute the entropy (skipped otherwise: ``None``).
+        reduce_grad_hidden: all-reduce the gradient of ``hidden`` over ``group``
+            (the default: the full gradient on every rank). ``False`` returns
+            each rank's own part ``g_k @ W_k``, for a caller whose graph already
+            sums over the group in backward: Megatron's
+            ``gather_from_sequence_parallel_region`` (sequence parallelism) or
+            ``copy_to_tensor_model_parallel_region``; summing twice would scale
+            the gradient by the group size.
         chunk_size: rows (tokens) per chunk (``None``: up to 512).
         vocab_chunk_size: local vocabulary columns per tile (``None``: a block
             of about 2M entries). Chunk sizes change speed and memory only
@@ -485,5 +493,6 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
         tiles,
         shard,
         group,
+        reduce_grad_hidden,
     )
     return logp.view(out_shape), ent.view(batch) if return_entropy else None

@@ -95,6 +95,8 @@ class VocabParallelHeadFn(torch.autograd.Function):
         tiles: ``(rows per chunk, columns per tile)``.
         shard: :class:`ShardSpec`.
         group: the tensor-parallel group.
+        reduce_grad_hidden: all-reduce the gradient of ``hidden`` over ``group``
+            (else each rank returns its shard's part ``g_k @ W_k``).
 
     Outputs: ``(logp (N, K), entropy (N,))`` in the compute dtype (entropy empty
     when not asked for), identical on every rank.
@@ -112,6 +114,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         tiles: tuple[int, int],
         shard: ShardSpec,
         group: ProcessGroup | None,
+        reduce_grad_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         cdt, dev = compute_dtype(hidden), hidden.device
@@ -150,6 +153,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         logp = torch.where(valid, z_all - lse.unsqueeze(-1), 0)
         ctx.save_for_backward(hidden, weight, bias, local, owned, valid, lse, ent)
         ctx.temperature, ctx.tiles, ctx.shard, ctx.group = temperature, tiles, shard, group
+        ctx.reduce_grad_hidden = reduce_grad_hidden
         if ent is None:
             ent = torch.empty(0, dtype=cdt, device=dev)
             ctx.mark_non_differentiable(ent)
@@ -160,7 +164,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None):  # type: ignore[override]
         hidden, weight, bias, local, owned, valid, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 6
+        none = (None,) * 7
         if not (need_h or need_w or need_b) or (grad_logp is None and grad_ent is None):
             return None, None, None, *none
         if ent is None:
@@ -220,7 +224,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
                             gw[lo:hi] += g.t() @ h
                     if gb is not None:
                         gb[lo:hi] += g.sum(0, dtype=cdt)
-        if gh is not None and is_distributed(ctx.group):
+        if gh is not None and ctx.reduce_grad_hidden and is_distributed(ctx.group):
             # Σ over shards of g_k @ W_k; every rank gets the same buffer back.
             dist.all_reduce(gh, group=ctx.group)
         return (
