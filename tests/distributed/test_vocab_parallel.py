@@ -17,6 +17,7 @@ from torch.autograd import gradcheck
 
 from rlmath.distributed import run_distributed
 from rlmath.distributed import vocab_parallel as vp
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.logprobs import (
     entropy_from_logits,
     kl_from_logits,
@@ -133,25 +134,36 @@ def _single_process_logits(case: Case, padded: int, fn: str) -> dict:
     }
 
 
-def single_process_head(case: Case, world: int) -> dict:
-    return _single_process_head(case, layout(case, world)[0])
+def single_process_head(case: Case, world: int, fn: str) -> dict:
+    return _single_process_head(case, layout(case, world)[0], fn)
 
 
 @functools.cache
-def _single_process_head(case: Case, padded: int) -> dict:
+def _single_process_head(case: Case, padded: int, fn: str) -> dict:
+    """The unsharded head: rlmath.fused_head (``fn="fused"``) or full logits + rlmath.logprobs.
+
+    An ignored position gives log-prob and entropy 0 (the fused head's rule).
+    """
     data = build(case, padded)
     v = case.vocab
     labels, coef, temp = data["labels"], data["coef"], data["temperature"]
-    lab = _safe_labels(labels)
+    ignored = labels == IGNORE
     out = {}
     for bias in (True, False):
         h = data["hidden"].clone().requires_grad_()
         w = data["weight"][:v].clone().requires_grad_()
-        b = data["bias"][:v].clone().requires_grad_()
-        logits = h @ w.T + (b if bias else 0)
-        lp, ent = log_probs_and_entropy_from_logits(logits, lab, temperature=temp)
-        lp = _masked_lp(lp, labels)
-        if bias:
+        b = data["bias"][:v].clone().requires_grad_() if bias else None
+        if fn == "fused":
+            lp, ent = log_probs_and_entropy_from_hidden(
+                h, w, labels, bias=b, temperature=temp, ignore_index=IGNORE
+            )
+        else:
+            logits = h @ w.T + b if b is not None else h @ w.T
+            lp, ent = log_probs_and_entropy_from_logits(
+                logits, _safe_labels(labels), temperature=temp
+            )
+            lp, ent = torch.where(ignored, 0, lp), torch.where(ignored, 0, ent)
+        if b is not None:
             ((coef[0].to(lp.dtype) * lp).sum() + (coef[1].to(ent.dtype) * ent).sum()).backward()
             out.update(
                 lp=lp.detach(),
@@ -232,22 +244,23 @@ def test_fused_head_equals_single_process(tp_results, case, world):
         pytest.skip("vocabulary does not divide evenly")
     results = tp_results[world]
     padded, _ = layout(case, world)
-    exp = single_process_head(case, world)
-    for res in results:
-        r = res[case.name]
-        assert r["ent_none"]
-        for key in ("lp", "ent", "lp_nb", "grad_hidden"):
-            _close(r[key], exp[key], case)
-    # reduce_grad_hidden=False: the ranks' parts add up to the unsharded gradient.
-    parts = torch.stack([res[case.name]["grad_hidden_nb"] for res in results])
-    _close(parts.sum(0), exp["grad_hidden_nb"], case)
-    assert not torch.allclose(parts[0], exp["grad_hidden_nb"].to(parts.dtype))
-    for key in ("grad_weight", "grad_weight_nb"):
-        got = _gathered(results, case, world, key, dim=0)
-        want = torch.cat([exp[key], exp[key].new_zeros(padded - case.vocab, exp[key].shape[1])])
-        _close(got, want, case)
-    got = _gathered(results, case, world, "grad_bias", dim=0)
-    _close(got, _pad_last(exp["grad_bias"], padded), case)
+    for fn in ("fused", "logits"):
+        exp = single_process_head(case, world, fn)
+        for res in results:
+            r = res[case.name]
+            assert r["ent_none"]
+            for key in ("lp", "ent", "lp_nb", "grad_hidden"):
+                _close(r[key], exp[key], case)
+        # reduce_grad_hidden=False: the ranks' parts add up to the unsharded gradient.
+        parts = torch.stack([res[case.name]["grad_hidden_nb"] for res in results])
+        _close(parts.sum(0), exp["grad_hidden_nb"], case)
+        assert not torch.allclose(parts[0], exp["grad_hidden_nb"].to(parts.dtype))
+        for key in ("grad_weight", "grad_weight_nb"):
+            got = _gathered(results, case, world, key, dim=0)
+            zeros = exp[key].new_zeros(padded - case.vocab, exp[key].shape[1])
+            _close(got, torch.cat([exp[key], zeros]), case)
+        got = _gathered(results, case, world, "grad_bias", dim=0)
+        _close(got, _pad_last(exp["grad_bias"], padded), case)
     # grad_hidden is all-reduced: identical bits on every rank.
     for res in results[1:]:
         for key in ("grad_hidden", "lp", "ent"):
@@ -340,6 +353,21 @@ def test_gradcheck_fused_head_world_one():
         )
 
     assert gradcheck(f, (h, w, b))
+
+
+def test_fused_head_never_reads_ignored_rows():
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    h[1] = float("nan")  # a padding position
+    h.requires_grad_()
+    w = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([3, IGNORE, 5, 0])
+    lp, ent = vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w, labels, chunk_size=2)
+    assert lp[1] == 0 and ent[1] == 0
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(w.grad).all() and (h.grad[1] == 0).all()
+    assert torch.isfinite(h.grad).all()
 
 
 def test_world_one_equals_single_process_and_keeps_inputs():

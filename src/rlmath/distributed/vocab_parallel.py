@@ -407,10 +407,13 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs and entropy of ``hidden @ W.T (+ b)`` with ``W`` split over the vocabulary.
 
-    The same outputs as computing the full logits ``hidden @ W.T + b`` and
-    calling :func:`rlmath.logprobs.log_probs_and_entropy_from_logits`, without
-    ever holding ``(N, V)`` or even ``(N, V/tp)`` logits: chunks of rows are
-    computed, reduced and (in backward) recomputed. Gradients: ``hidden``
+    Equals :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden` with the
+    whole weight (the full logits ``hidden @ W.T + b`` followed by
+    :func:`rlmath.logprobs.log_probs_and_entropy_from_logits`), without ever
+    holding ``(N, V)`` or even ``(N, V/tp)`` logits: blocks of rows × local
+    vocabulary are computed, reduced and (in backward) recomputed. As there, a
+    position whose label is ``ignore_index`` gets log-prob *and entropy* 0 and
+    no gradient, and its hidden state is never read (NaN there is harmless). Gradients: ``hidden``
     receives the full (unsharded) gradient, all-reduced over ``group`` so it
     is identical on every rank (the adjoint of Megatron's column-parallel
     head, whose input is replicated); ``weight_shard`` and ``bias_shard``

@@ -73,6 +73,15 @@ def _tile_labels(
     return torch.where(inside, local - lo, 0), inside
 
 
+def _rows(hidden: torch.Tensor, live: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """``hidden[a:b]`` with the rows whose labels are all ignored replaced by zeros.
+
+    Those rows give 0 and no gradient, so their hidden states (padding, maybe
+    NaN) must not reach a matmul, where ``0 · NaN`` would spread to ``grad_weight``.
+    """
+    return torch.where(live[a:b, None], hidden[a:b], 0)
+
+
 def _block_logits(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
@@ -99,7 +108,9 @@ class VocabParallelHeadFn(torch.autograd.Function):
             (else each rank returns its shard's part ``g_k @ W_k``).
 
     Outputs: ``(logp (N, K), entropy (N,))`` in the compute dtype (entropy empty
-    when not asked for), identical on every rank.
+    when not asked for), identical on every rank. A row whose labels are all
+    ``ignore_index`` gives 0 for both and no gradient, like
+    :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`.
     """
 
     @staticmethod
@@ -122,6 +133,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         rows, tile = tiles
         temp = Temperature(temperature, cdt, dev)
         local, owned, valid = local_labels(labels, shard)
+        live = valid.any(-1)
         m = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
         s = torch.zeros(n, dtype=cdt, device=dev)
         t = torch.zeros(n, dtype=cdt, device=dev) if want_entropy else None
@@ -129,7 +141,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         if real > 0 and n > 0:
             ws = TileWorkspace(min(rows, n), min(tile, real), cdt, dev)
             for a, b in _spans(n, rows):
-                h, temp_c = hidden[a:b], temp.rows(a, b)
+                h, temp_c = _rows(hidden, live, a, b), temp.rows(a, b)
                 for lo, hi in _spans(real, tile):
                     ws.width = hi - lo
                     buf = _block_logits(
@@ -155,9 +167,11 @@ class VocabParallelHeadFn(torch.autograd.Function):
         ctx.temperature, ctx.tiles, ctx.shard, ctx.group = temperature, tiles, shard, group
         ctx.reduce_grad_hidden = reduce_grad_hidden
         if ent is None:
-            ent = torch.empty(0, dtype=cdt, device=dev)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+            out_ent = torch.empty(0, dtype=cdt, device=dev)
+            ctx.mark_non_differentiable(out_ent)
+        else:
+            out_ent = torch.where(live, ent, 0)
+        return logp, out_ent
 
     @staticmethod
     @once_differentiable
@@ -167,8 +181,11 @@ class VocabParallelHeadFn(torch.autograd.Function):
         none = (None,) * 7
         if not (need_h or need_w or need_b) or (grad_logp is None and grad_ent is None):
             return None, None, None, *none
+        live = valid.any(-1)
         if ent is None:
             grad_ent = None
+        if grad_ent is not None:
+            grad_ent = torch.where(live, grad_ent, 0)
         if grad_logp is not None:
             grad_logp = torch.where(valid, grad_logp, 0)
         shard: ShardSpec = ctx.shard
@@ -186,7 +203,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
             lse_col = lse.unsqueeze(-1)
             direct = hidden.dtype == cdt
             for a, b in _spans(n, rows):
-                h = hidden[a:b]
+                h = _rows(hidden, live, a, b)
                 for lo, hi in _spans(real, tile):
                     ws.width = hi - lo
                     w_tile = weight[lo:hi]
