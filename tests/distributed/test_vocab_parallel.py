@@ -23,9 +23,10 @@ from rlmath.logprobs import (
     kl_from_logits,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
+    log_probs_from_logits_response_rmpad,
 )
 
-from .tp_workers import CASES, IGNORE, Case, build, layout, tp_worker
+from .tp_workers import CASES, IGNORE, RMPAD_R, Case, build, layout, rmpad_problem, tp_worker
 
 WORLDS = [2, 4]
 
@@ -231,6 +232,14 @@ def test_logits_functions_equal_single_process(tp_results, case, world):
         for key in GRAD_KEYS:
             got = _gathered(results, case, world, key)
             _close(got, _pad_last(exp[key], padded), case, **grad_tol)
+    # Σπ² against the definition (fp64), on the real columns.
+    data = build(case, padded)
+    z = data["logits"][..., : case.vocab].double()
+    t = data["temperature"]
+    t = t.double().unsqueeze(-1) if isinstance(t, torch.Tensor) else t
+    want = torch.softmax(z / t, -1).square().sum(-1)
+    for res in results:
+        _close(res[case.name]["sum_pi_sq"], want, case, **value_tol)
     # Outputs are replicated: bitwise the same on every rank.
     for res in results[1:]:
         for key in VALUE_KEYS:
@@ -265,6 +274,20 @@ def test_fused_head_equals_single_process(tp_results, case, world):
     for res in results[1:]:
         for key in ("grad_hidden", "lp", "ent"):
             assert torch.equal(res[case.name][key], results[0][case.name][key])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_response_rmpad_equals_single_process(tp_results, world):
+    ids, mask, logits, temperature, coef = rmpad_problem()
+    x = logits.clone().requires_grad_()
+    want = log_probs_from_logits_response_rmpad(ids, mask, x, RMPAD_R, temperature=temperature)
+    (coef * want).sum().backward()
+    results = tp_results[world]
+    for res in results:
+        torch.testing.assert_close(res["rmpad"]["logp"], want.detach(), rtol=1e-10, atol=1e-10)
+    grad = torch.cat([res["rmpad"]["grad"] for res in results], -1)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-10)
+    assert (want.detach() != 0).sum() > 6  # the case is not trivially zero
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -422,3 +445,16 @@ def test_bad_input():
         )
     with pytest.raises(TypeError, match="weight_shard must have the dtype of hidden"):
         vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w.float(), labels)
+    ids, mask = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
+    packed = torch.zeros(10, 7, dtype=torch.float64)
+    rmpad = vp.vocab_parallel_log_probs_from_logits_response_rmpad
+    with pytest.raises(ValueError, match=r"response_length must be in \[1, 5\]"):
+        rmpad(ids, mask, packed, 6)
+    with pytest.raises(ValueError, match="attention_mask must have the shape of input_ids"):
+        rmpad(ids, mask[:, :4], packed, 2)
+    with pytest.raises(ValueError, match=r"one row per valid token \(10\), got 9"):
+        rmpad(ids, mask, packed[:9], 2, validate=True)
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        rmpad(ids.float(), mask, packed, 2)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        vp.vocab_parallel_sum_pi_squared(x, temperature=-1.0)

@@ -157,7 +157,38 @@ def run_logits_case(case: Case, world: int, r: int) -> dict:
     res["validated"] = vp.vocab_parallel_log_probs_and_entropy(
         x, labels, temperature=temp, validate=True, **kw
     )[0]
+    res["sum_pi_sq"] = vp.vocab_parallel_sum_pi_squared(x, temperature=temp, **kw)
     return res
+
+
+def rmpad_problem():
+    """Packed logits of 3 sequences: left padding, right padding, interior holes."""
+    g = torch.Generator().manual_seed(23)
+    b, s, v = 3, 9, 101
+    ids = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[1, -2:] = False
+    mask[2, [0, 5]] = False
+    nnz = int(mask.sum())
+    logits = torch.randn(nnz, v, generator=g, dtype=torch.float64) * 2
+    temperature = torch.rand(b, 1, generator=g, dtype=torch.float64) + 0.5
+    coef = torch.randn(b, RMPAD_R, generator=g, dtype=torch.float64)
+    return ids, mask, logits, temperature, coef
+
+
+RMPAD_R = 4
+
+
+def run_rmpad_case(world: int, r: int) -> dict:
+    ids, mask, logits, temperature, coef = rmpad_problem()
+    bounds = [round(k * logits.shape[1] / world) for k in range(world + 1)]
+    x = logits[:, bounds[r] : bounds[r + 1]].clone().requires_grad_()
+    logp = vp.vocab_parallel_log_probs_from_logits_response_rmpad(
+        ids, mask, x.unsqueeze(0), RMPAD_R, temperature=temperature, vocab_start_index=bounds[r]
+    )
+    (coef * logp).sum().backward()
+    return {"logp": logp.detach(), "grad": x.grad, "bounds": bounds}
 
 
 def run_head_case(case: Case, world: int, r: int) -> dict:
@@ -247,6 +278,7 @@ def tp_worker(case_names: list[str]) -> dict:
             continue
         out[case.name] = (run_head_case if case.hidden else run_logits_case)(case, world, r)
     out["validation"] = run_validation_checks(world, r)
+    out["rmpad"] = run_rmpad_case(world, r)
     out["example"] = _example_module().demo(verbose=False)
     return out
 
