@@ -25,6 +25,7 @@ from rlmath.logprobs import (
     log_probs_from_logits,
     log_probs_from_logits_response_rmpad,
 )
+from tests.memory_tracker import MemoryTracker
 
 from .tp_workers import CASES, IGNORE, RMPAD_R, Case, build, layout, rmpad_problem, tp_worker
 
@@ -402,6 +403,61 @@ def test_world_one_equals_single_process_and_keeps_inputs():
     torch.testing.assert_close(ent, want_ent, rtol=1e-6, atol=1e-6)
     assert lp.dtype == torch.float32 and lp[0, 0] == 0
     assert torch.equal(x, before)
+
+
+MEM_N, MEM_V, MEM_CHUNK = 512, 1000, 8
+
+
+def _tracked(fn, *inputs):
+    with MemoryTracker() as mem:
+        mem.phase = "forward"
+        out = fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        mem.phase = "backward"
+        sum(o.sum() for o in outs if o is not None).backward()
+    return mem
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_is_bounded_world_one(dtype):
+    """No (N, V/tp) temporary: forward holds chunk buffers, backward only the gradients."""
+    x = torch.randn(MEM_N, MEM_V).to(dtype).requires_grad_()
+    r = torch.randn(MEM_N, MEM_V).to(dtype).requires_grad_()
+    labels = torch.randint(0, 900, (MEM_N,))
+    kw = {"chunk_size": MEM_CHUNK, "vocab_size": 900}
+    fns = [
+        lambda x: vp.vocab_parallel_log_probs_and_entropy(x, labels, temperature=0.8, **kw),
+        lambda x: vp.vocab_parallel_entropy(x, **kw),
+        lambda x: vp.vocab_parallel_kl_from_logits(x, r, **kw),
+    ]
+    n_v = MEM_N * MEM_V
+    for i, fn in enumerate(fns):
+        x.grad = r.grad = None
+        mem = _tracked(fn, x)
+        assert mem.largest(phase="forward") <= 8 * MEM_CHUNK * MEM_V
+        assert mem.peak_by_phase["forward"] <= 0.1 * 4 * n_v
+        grads = [x, r] if i == 2 else [x]
+        big = mem.allocations_at_least(n_v, phase="backward")
+        assert sorted((a.shape, a.dtype) for a in big) == [((MEM_N, MEM_V), dtype)] * len(grads)
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        assert mem.peak_by_phase["backward"] <= grad_bytes + 0.1 * 4 * n_v
+
+
+def test_fused_head_never_allocates_the_logits_world_one():
+    n, v, h = 512, 1000, 32
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    mem = _tracked(
+        lambda a, b: vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+            a, b, labels, chunk_size=64, vocab_chunk_size=256
+        ),
+        hidden,
+        weight,
+    )
+    # A block is 64 x 256; the weight gradient (v, h) is the largest allocation.
+    assert mem.largest() <= 4 * v * h
+    assert mem.peak_by_phase["backward"] <= 0.2 * 4 * n * v
 
 
 def test_bf16_logits_give_fp32_results():
