@@ -405,7 +405,7 @@ def test_world_one_equals_single_process_and_keeps_inputs():
     assert torch.equal(x, before)
 
 
-MEM_N, MEM_V, MEM_CHUNK = 512, 1000, 8
+MEM_N, MEM_V, MEM_CHUNK = 384, 1000, 8
 
 
 def _tracked(fn, *inputs):
@@ -431,16 +431,19 @@ def test_memory_is_bounded_world_one(dtype):
         lambda x: vp.vocab_parallel_kl_from_logits(x, r, **kw),
     ]
     n_v = MEM_N * MEM_V
+    # A few fp32 chunk buffers and per-row numbers; an fp32 (N, V) copy is 8 times more.
+    scratch = 4 * (4 * MEM_CHUNK * MEM_V) + 64 * MEM_N
+    assert scratch * 8 <= 4 * n_v
     for i, fn in enumerate(fns):
         x.grad = r.grad = None
         mem = _tracked(fn, x)
         assert mem.largest(phase="forward") <= 8 * MEM_CHUNK * MEM_V
-        assert mem.peak_by_phase["forward"] <= 0.1 * 4 * n_v
+        assert mem.peak_by_phase["forward"] <= scratch
         grads = [x, r] if i == 2 else [x]
         big = mem.allocations_at_least(n_v, phase="backward")
         assert sorted((a.shape, a.dtype) for a in big) == [((MEM_N, MEM_V), dtype)] * len(grads)
         grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-        assert mem.peak_by_phase["backward"] <= grad_bytes + 0.1 * 4 * n_v
+        assert mem.peak_by_phase["backward"] <= grad_bytes + scratch
 
 
 def test_fused_head_never_allocates_the_logits_world_one():
