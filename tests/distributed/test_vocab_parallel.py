@@ -277,6 +277,21 @@ def test_fused_head_equals_single_process(tp_results, case, world):
             assert torch.equal(res[case.name][key], results[0][case.name][key])
 
 
+def test_tensor_parallel_subgroups(tp_results):
+    """World 4 split into two TP groups of 2: each group equals the single process."""
+    case = next(c for c in CASES if c.name == "pad_inf_f64")
+    padded, _ = layout(case, 2)
+    exp = single_process_logits(case, 2, "math")
+    results = tp_results[4]
+    for pair in ([0, 1], [2, 3]):
+        for r in pair:
+            for key in VALUE_KEYS:
+                _close(results[r]["subgroup"][key], exp[key], case)
+        for key in GRAD_KEYS:
+            got = torch.cat([results[r]["subgroup"][key] for r in pair], -1)
+            _close(got, _pad_last(exp[key], padded), case)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_response_rmpad_equals_single_process(tp_results, world):
     ids, mask, logits, temperature, coef = rmpad_problem()

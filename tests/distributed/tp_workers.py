@@ -120,11 +120,14 @@ def _loss(coef: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (coef.to(y.dtype) * y).sum()
 
 
-def run_logits_case(case: Case, world: int, r: int) -> dict:
+def run_logits_case(case: Case, world: int, r: int, group=None) -> dict:
+    """``world``/``r``: size of and rank in the tensor-parallel ``group`` (None: the world)."""
     padded, shards = layout(case, world)
     data = build(case, padded)
     start, width = shards[r]
     kw = tp_kwargs(case, world, r)
+    if group is not None:
+        kw["group"] = group
     x = data["logits"][..., start : start + width].clone()
     ref = data["ref_logits"][..., start : start + width].clone()
     x_before, ref_before = x.clone(), ref.clone()
@@ -280,6 +283,12 @@ def tp_worker(case_names: list[str]) -> dict:
     out["validation"] = run_validation_checks(world, r)
     out["rmpad"] = run_rmpad_case(world, r)
     out["example"] = _example_module().demo(verbose=False)
+    if world == 4:
+        # TP x DP = 2 x 2: tensor-parallel subgroups {0, 1} and {2, 3}; the default
+        # layout (rank in the subgroup · width) and every collective use the subgroup.
+        subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        case = next(c for c in CASES if c.name == "pad_inf_f64")
+        out["subgroup"] = run_logits_case(case, 2, r % 2, group=subgroups[r // 2])
     return out
 
 
