@@ -9,10 +9,11 @@ gives each rank its own columns of the single-process gradient.
 
 Layout of the shards:
 
-- By default rank ``k`` holds columns ``[k·V_k, (k+1)·V_k)``: equal widths in
+- By default rank ``k`` (its rank in ``group``) holds columns
+  ``[k·V_k, (k+1)·V_k)``: equal widths in
   rank order, Megatron's layout (which pads the vocabulary to a multiple of the
   group size).
-- Shards of unequal width (say 50257 split 25129 + 25128): pass each rank's
+- Shards of unequal width (say 50257 split 25128 + 25129): pass each rank's
   ``vocab_start_index``.
 - Padding columns: either fill them with ``-inf`` (they then have probability 0
   and a zero gradient), or pass ``vocab_size``, the number of real tokens; local
@@ -31,8 +32,9 @@ the logits needs no collective; the fused head all-reduces the gradient of
 Every rank must make the same calls in the same order (each call runs 2-3
 collectives over ``group``).
 
-Never modifies an input (unlike verl's tensor-parallel entropy, which divides
-the caller's logits in place and breaks a later backward through them).
+Never modifies an input (verl's tensor-parallel entropy subtracts from and adds
+back to the caller's logits in place in its backward, which breaks a later
+backward through them; verl's engine clones the whole logits to cope).
 """
 
 from __future__ import annotations
