@@ -10,9 +10,8 @@ gives each rank its own columns of the single-process gradient.
 Layout of the shards:
 
 - By default rank ``k`` (its rank in ``group``) holds columns
-  ``[k·V_k, (k+1)·V_k)``: equal widths in
-  rank order, Megatron's layout (which pads the vocabulary to a multiple of the
-  group size).
+  ``[k·V_k, (k+1)·V_k)``: equal widths in rank order, Megatron's layout (which
+  pads the vocabulary to a multiple of the group size).
 - Shards of unequal width (say 50257 split 25128 + 25129): pass each rank's
   ``vocab_start_index``.
 - Padding columns: either fill them with ``-inf`` (they then have probability 0
