@@ -25,6 +25,8 @@ the matmul of a block may round differently from that of a different block).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "DEFAULT_ROWS", "auto_tile_sizes"]
@@ -50,10 +52,11 @@ def auto_tile_sizes(
 ) -> tuple[int, int]:
     """``(rows, vocab_tile)`` per block, each given value kept as is.
 
-    ``rows`` defaults to :data:`DEFAULT_ROWS` (fewer for short inputs, rounded
-    to a multiple of the intra-op thread count); ``vocab_tile`` fills a block of
-    :data:`DEFAULT_BLOCK_ELEMENTS` entries, or 1/64 of the ``N·V`` logits when
-    that is smaller (but never below 64k entries).
+    A block holds :data:`DEFAULT_BLOCK_ELEMENTS` entries, or 1/64 of the
+    ``N·V`` logits when that is smaller (but never below 64k entries).
+    ``rows`` defaults to :data:`DEFAULT_ROWS`, fewer for short inputs or small
+    blocks (about the square root of the block, at least 64), rounded to a
+    multiple of the intra-op thread count; ``vocab_tile`` fills the block.
 
     Args:
         num_rows: ``N``, the number of tokens.
@@ -65,15 +68,17 @@ def auto_tile_sizes(
         Two positive ints.
     """
     n, v = max(1, num_rows), max(1, vocab_size)
+    block = max(_MIN_BLOCK, min(DEFAULT_BLOCK_ELEMENTS, n * v // _MAX_FRACTION))
     if chunk_size is None:
-        rows = min(DEFAULT_ROWS, n)
+        # A small block is split about evenly between rows and vocabulary, so
+        # that neither matmul of the backward gets a short inner dimension.
+        rows = min(DEFAULT_ROWS, n, max(64, math.isqrt(block)))
         threads = max(1, torch.get_num_threads())
         if rows > threads:
             rows -= rows % threads
     else:
         rows = chunk_size
     if vocab_chunk_size is None:
-        block = max(_MIN_BLOCK, min(DEFAULT_BLOCK_ELEMENTS, n * v // _MAX_FRACTION))
         tile = min(v, max(1, block // min(rows, n)))
     else:
         tile = vocab_chunk_size
