@@ -17,8 +17,8 @@ Notation for one row of raw logits ``x`` at temperature ``T`` (``z = x / T``)::
 Working on the shifted ``y`` keeps every term of the entropy small: nothing
 large cancels. ``-inf`` logits (a padded vocabulary) give ``exp(y_j) = 0`` and
 ``y_j = -inf``; their ``0·(-inf)`` products are dropped by a NaN-ignoring sum
-in forward and made exact zeros by clamping ``ls`` to the dtype's finite
-minimum in backward (which leaves every finite value unchanged). A NaN logit
+in forward and made exact zeros by clamping ``ls`` at -1e4 in backward
+(where ``p`` is already exactly 0, so no value changes). A NaN logit
 still makes ``m``, ``s`` and therefore every output of its row NaN.
 
 Temperature is applied in exactly one place, :func:`scaled_shift`: the chunk
@@ -61,6 +61,10 @@ __all__ = [
 # Below this many elements a reduction never runs multi-threaded (ATen's
 # GRAIN_SIZE), so a single short row reduces the same way whatever the thread count.
 _ATEN_GRAIN_SIZE = 32768
+
+# Floor for log-probabilities in backward products: far below any log-prob whose
+# probability is nonzero in fp32 or fp64 (exp(-746) underflows to 0 in fp64).
+_LS_FLOOR = -1e4
 
 
 def _single_long_row(x: torch.Tensor) -> bool:
@@ -289,7 +293,10 @@ def chunk_grad(
     ls = scaled_shift(src, temperature, lse, ws.get("y", c))
     p = torch.exp(ls, out=work)
     if beta is not None:
-        ls.clamp_min_(torch.finfo(ls.dtype).min)
+        # exp(-1e4) is exactly 0 in fp32 and fp64, so this clamp changes no p
+        # but keeps alpha + ls·beta finite (clamping to finfo.min overflowed as
+        # soon as |beta| > 1, and 0·inf made NaN at -inf logits).
+        ls.clamp_min_(_LS_FLOOR)
         p.mul_(torch.addcmul(alpha, ls, beta, out=ls))
     else:
         p.mul_(alpha)
