@@ -58,9 +58,16 @@ def test_registry_errors():
 
 def test_auto_chunk_size():
     threads = torch.get_num_threads()
+    two_mib, max_bytes = 2 * 2**20, 64 * 2**20
     for v in (1, 100, 32000, 151936, 10**7):
         c = auto_chunk_size(v)
         assert c >= 1
-        assert c * v * 4 <= max(8 * 2**20, v * 4 * threads)
-    # never more than 1/32 of the rows (beyond one row per thread)
-    assert auto_chunk_size(1000, 64) <= max(threads, 2)
+        assert c * v * 4 <= max(two_mib, v * 4 * threads)
+        for n in (1, 100, 4096, 8192, 10**6):
+            c = auto_chunk_size(v, n)
+            assert c >= 1
+            assert c * v * 4 <= max(max_bytes, v * 4 * threads)  # buffer bounded
+            lo, hi = max(1, two_mib // (4 * v)), max(1, max_bytes // (4 * v))
+            expected = min(max(n // 32, lo), hi)  # about 32 chunks between the bounds
+            assert expected - threads < c <= expected
+    assert auto_chunk_size(32000, 8192) == 256

@@ -68,7 +68,14 @@ _LS_FLOOR = -1e4
 
 
 def _single_long_row(x: torch.Tensor) -> bool:
-    return x.shape[0] == 1 and x.shape[1] >= _ATEN_GRAIN_SIZE and torch.get_num_threads() > 1
+    # CPU only: the split is a property of ATen's CPU reduction (GPU kernels reduce rows
+    # their own way, and a future GPU backend brings its own determinism story).
+    return (
+        x.shape[0] == 1
+        and x.shape[1] >= _ATEN_GRAIN_SIZE
+        and x.device.type == "cpu"
+        and torch.get_num_threads() > 1
+    )
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def log_probs_from_logits(
             (e.g. one temperature per sequence). The result equals the call on
             ``logits / temperature`` with temperature 1 (the division is done in
             fp32). A tensor temperature receives no gradient.
-        chunk_size: rows per chunk; ``None`` picks one from ``V``
+        chunk_size: rows per chunk; ``None`` picks one from ``V`` and the number of rows
             (:func:`rlmath.logprobs.chunking.auto_chunk_size`). Changes speed and
             memory only, never the result.
         validate: check that every label lies in ``[0, V)`` (and that a tensor
