@@ -1,7 +1,7 @@
 """How the fused head tiles the ``(N, V)`` logits it never materializes.
 
-The head works on one ``(rows, vocab_tile)`` block of logits at a time. Two
-things pull the block size in opposite directions:
+The head works on one ``(rows, vocab_tile)`` block of logits at a time. Speed
+asks for large blocks, memory for small ones:
 
 * Matmul efficiency. Every block costs three matmuls with inner dimension
   ``H`` (the logits, and in backward ``grad_hidden`` and ``grad_weight``), and
@@ -9,12 +9,13 @@ things pull the block size in opposite directions:
   ``rows``: with few rows it rereads and rewrites the ``(vocab_tile, H)``
   slice of the weight gradient for little arithmetic and becomes memory bound.
   The weight is also read once per row chunk. So ``rows`` must be in the
-  hundreds (measured on a 2-core CPU: 256 to 1024 rows all reach the matmul's
-  full speed, 64 rows lose about a third).
-* Memory and cache. A few scratch buffers of the block's size live at once;
-  about 2 M entries (8 MiB in fp32) keeps them a few percent of the logits'
-  size for real shapes while each thread's share of a block stays near its
-  L2 cache.
+  hundreds (on a 2-core CPU, 512 to 2048 rows reach the matmul's full speed).
+* Passes and memory. Every block also costs about a dozen elementwise passes,
+  each a thread fork/join; on a busy machine a join waits for a descheduled
+  thread (several ms), so fewer, larger blocks are faster. Three or four
+  scratch buffers of the block's size live at once: 4 M entries (16 MiB in
+  fp32), capped at 1/64 of the ``N·V`` logits, keeps them under 5% of the
+  logits' size.
 
 Tiling over the vocabulary as well as the rows makes the scratch size
 independent of ``V``: a 152k vocabulary costs no more scratch than a 32k one.
@@ -31,11 +32,11 @@ import torch
 
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "DEFAULT_ROWS", "auto_tile_sizes"]
 
-DEFAULT_ROWS = 512
+DEFAULT_ROWS = 1024
 """Rows (tokens) per chunk when the caller does not choose."""
 
-DEFAULT_BLOCK_ELEMENTS = 2 * 1024 * 1024
-"""Target entries of one ``(rows, vocab_tile)`` block (8 MiB in fp32)."""
+DEFAULT_BLOCK_ELEMENTS = 4 * 1024 * 1024
+"""Target entries of one ``(rows, vocab_tile)`` block (16 MiB in fp32)."""
 
 # Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
 # a block of at least _MIN_BLOCK entries keeps tiny inputs from tiling absurdly.
