@@ -197,11 +197,11 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
         # Ignored rows get zero coefficients (a NaN upstream gradient there stays out).
         g_logp = torch.where(valid, grad_logp, 0.0).unsqueeze(-1) if grad_logp is not None else None
         g_ent = torch.where(valid, grad_ent, 0.0) if grad_ent is not None else None
-        alpha, beta, w = grad_coefficients(g_logp, g_ent, ent, temp.inv)
+        alpha, beta, w_label = grad_coefficients(g_logp, g_ent, ent, temp.inv)
         assert alpha is not None
         lse_col = lse.unsqueeze(-1)
         half_h, half_w = hidden.dtype != cdt, weight.dtype != cdt
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b else None
         for r0, r1 in blocks.row_spans:
@@ -220,7 +220,7 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
                     lse=lse_col[r0:r1],
                     alpha=alpha[r0:r1],
                     beta=beta[r0:r1] if beta is not None else None,
-                    w=torch.where(inside, w[r0:r1], 0.0) if w is not None else None,
+                    w=torch.where(inside, w_label[r0:r1], 0.0) if w_label is not None else None,
                     labels=idx,
                     temperature=temp.rows(r0, r1),
                 )
