@@ -7,6 +7,7 @@ DESIGN.md; each function's docstring states the shapes and dtypes.
 
 from rlmath import (
     advantages,
+    fused_head,
     kl,
     kl_controllers,
     logprobs,
@@ -18,6 +19,7 @@ from rlmath import (
     tensor_utils,
 )
 from rlmath.advantages import *
+from rlmath.fused_head import *
 from rlmath.kl import *
 from rlmath.kl_controllers import *
 from rlmath.logprobs import *
@@ -40,5 +42,6 @@ __all__ += kl_controllers.__all__
 __all__ += rewards.__all__
 __all__ += schedules.__all__
 __all__ += logprobs.__all__
+__all__ += fused_head.__all__
 __all__ += advantages.__all__
 __all__ += losses.__all__
