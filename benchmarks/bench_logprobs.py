@@ -3,8 +3,9 @@
 For each logits shape and dtype it times, in one process and interleaved run
 by run (so that load from other processes hits every implementation alike):
 
-* ``naive``: ``log_softmax(logits.float(), -1).gather(-1, labels)`` (plus
-  ``-(p·logp).sum(-1)`` for the entropy), the reference of the issue's targets;
+* ``naive log_softmax+gather``: ``log_softmax(logits.float(), -1).gather(-1, labels)``,
+  the reference of the issue's targets, timed in every case (``×naive`` columns);
+* ``naive + entropy``: the same plus ``-(p·logp).sum(-1)``;
 * ``rlmath``: :func:`rlmath.log_probs_from_logits` /
   :func:`rlmath.log_probs_and_entropy_from_logits`;
 * ``verl`` (``verl.utils.torch_functional.logprobs_from_logits`` and
@@ -13,7 +14,8 @@ by run (so that load from other processes hits every implementation alike):
   they can be imported (run with ``.venv-peers/bin/python`` to include them).
 
 Columns: median forward time and forward+backward time over ``--repeats``
-runs (≥ 5) after a warm-up, the ratio to ``naive`` on the same rows; the extra
+runs (≥ 5) after a warm-up and the ratio to ``naive log_softmax+gather`` on the
+same logits (also for the functions that add the entropy); the extra
 peak memory beyond the logits and their gradient, measured once per
 implementation by a ``TorchDispatchMode`` that accounts every tensor an op
 allocates (deterministic: see ``tests/memory_tracker.py``), as a share of the
@@ -73,17 +75,21 @@ def naive_lp_ent(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, .
     return ls.gather(-1, labels[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
 
 
+BASE = "naive log_softmax+gather"
+
+
 def implementations(with_entropy: bool, peers: bool) -> dict[str, Impl]:
-    impls: dict[str, Impl] = {}
+    # The targets compare every implementation, with or without the
+    # entropy, to the naive fp32 log_softmax + gather: it is timed in every case.
+    impls: dict[str, Impl] = {BASE: naive_lp}
     if with_entropy:
-        impls["naive fp32"] = naive_lp_ent
+        impls["naive + entropy"] = naive_lp_ent
         impls["rlmath"] = lambda x, lab: R.log_probs_and_entropy_from_logits(x, lab)
         if peers and verl_logprobs is not None:
             impls["verl"] = lambda x, lab: (verl_logprobs(x, lab), verl_entropy(x))
         if peers and trl_logprobs is not None:
             impls["trl"] = lambda x, lab: (trl_logprobs(x, lab), trl_entropy(x))
     else:
-        impls["naive fp32"] = naive_lp
         impls["rlmath"] = lambda x, lab: (R.log_probs_from_logits(x, lab),)
         if peers and verl_logprobs is not None:
             impls["verl"] = lambda x, lab: (verl_logprobs(x, lab),)
@@ -153,8 +159,8 @@ def bench_case(
             t_b[name].append(fwd_bwd(fn, x, labels, grads))
             gc.collect()
     fp32_bytes = 4 * n * v
-    base_f = statistics.median(t_f["naive fp32"])
-    base_b = statistics.median(t_b["naive fp32"])
+    base_f = statistics.median(t_f[BASE])
+    base_b = statistics.median(t_b[BASE])
     rows = []
     for name, fn in impls.items():
         mf, mb = statistics.median(t_f[name]), statistics.median(t_b[name])
