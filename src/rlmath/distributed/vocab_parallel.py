@@ -102,7 +102,7 @@ def _log_probs_entropy(
     )
     if validate:
         validate_layout(shard, width, rows, lab2d, logits.device, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows)
+    chunk = resolve_chunk_size(chunk_size, width, rows, device=logits.device)
     logp, ent = VocabParallelLogProbsEntropyFn.apply(
         logits, lab2d, temp, want_entropy, chunk, shard, group
     )
@@ -301,7 +301,7 @@ def vocab_parallel_kl_from_logits(
     )
     if validate:
         validate_layout(shard, width, rows, None, logits.device, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows)
+    chunk = resolve_chunk_size(chunk_size, width, rows, device=logits.device)
     kl = VocabParallelKLFn.apply(logits, ref, temp, chunk, shard, group)
     return kl.view(batch)
 

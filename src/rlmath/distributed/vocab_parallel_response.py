@@ -179,7 +179,7 @@ def vocab_parallel_sum_pi_squared(
     )
     if validate:
         validate_layout(shard, width, rows, None, dev, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows)
+    chunk = resolve_chunk_size(chunk_size, width, rows, device=logits.device)
     with torch.no_grad():
         m = torch.full((rows,), float("-inf"), dtype=cdt, device=dev)
         s = torch.zeros(rows, dtype=cdt, device=dev)

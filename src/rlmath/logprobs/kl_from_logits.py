@@ -55,7 +55,9 @@ def kl_from_logits(
     temp = normalize_temperature(
         temperature, batch, compute_dtype(logits, ref_logits), logits.device, validate=validate
     )
-    chunk = resolve_chunk_size(chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]))
+    chunk = resolve_chunk_size(
+        chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]), device=logits.device
+    )
     kernel = get_kernel("kl", logits)
     kl = cast(torch.Tensor, kernel(logits, ref_logits, temp, chunk))
     return kl.view(batch)

@@ -40,7 +40,9 @@ def _log_probs_entropy(
     temp = normalize_temperature(
         temperature, batch, compute_dtype(logits), logits.device, validate=validate
     )
-    chunk = resolve_chunk_size(chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]))
+    chunk = resolve_chunk_size(
+        chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]), device=logits.device
+    )
     kernel = get_kernel("log_probs_entropy", logits)
     logp, ent = cast(
         tuple[torch.Tensor, torch.Tensor], kernel(logits, lab2d, temp, want_entropy, chunk, None)

@@ -93,7 +93,7 @@ def log_probs_from_logits_response(
     if isinstance(temp, torch.Tensor):
         temp = temp.view(B, S)[:, -R - 1 : -1].reshape(-1)
     labels = ids[:, -R:].reshape(-1, 1).long()
-    chunk = resolve_chunk_size(chunk_size, logits.shape[-1], B * R)
+    chunk = resolve_chunk_size(chunk_size, logits.shape[-1], B * R, device=logits.device)
     kernel = get_kernel("log_probs_entropy", logits)
     # The kernel reads the response rows of the full logits in place: slicing them here
     # would make autograd allocate a second full-size gradient in backward.
@@ -132,7 +132,9 @@ def _packed_response_log_probs(
     temp = normalize_temperature(temperature, (B, S), cdt, logits_rmpad.device, validate=False)
     if isinstance(temp, torch.Tensor):
         temp = temp.view(B, S).gather(1, prev_c)[select]
-    chunk = resolve_chunk_size(chunk_size, logits_rmpad.shape[-1], int(rows.numel()))
+    chunk = resolve_chunk_size(
+        chunk_size, logits_rmpad.shape[-1], int(rows.numel()), device=logits_rmpad.device
+    )
     kernel = get_kernel("log_probs_entropy", logits_rmpad)
     logp, _ = cast(
         tuple[torch.Tensor, torch.Tensor],
