@@ -193,9 +193,11 @@ def test_ignored_rows_get_no_gradient_even_with_nan():
     assert got[0][[1, 4]].eq(0).all()
 
 
-def test_masked_vocabulary_gradients_are_finite_and_zero_there():
-    # -inf bias entries (padded vocabulary). Upstream gradients are kept within
-    # [-1, 1] at temperature 1: see the report on the shared entropy backward.
+@pytest.mark.parametrize(("scale", "temperature"), [(1.0, 1.0), (1e3, 1.0), (50.0, 0.25)])
+def test_masked_vocabulary_gradients_are_finite_and_zero_there(scale, temperature):
+    # -inf bias entries (padded vocabulary), with upstream gradients far outside
+    # [-1, 1] and a temperature < 1 (both scale the entropy term that multiplies
+    # the clamped log-probabilities of the masked entries in backward).
     N, H, V = 6, 5, 40
     hidden = make((N, H), torch.float32, requires_grad=True)
     weight = make((V, H), torch.float32, seed=1, requires_grad=True)
@@ -203,12 +205,35 @@ def test_masked_vocabulary_gradients_are_finite_and_zero_there():
     bias[30:] = float("-inf")
     bias.requires_grad_()
     labels = make_labels((N,), 30)
-    lp, ent = fused(hidden, weight, labels, bias=bias, chunk_size=4, vocab_chunk_size=10)
-    g = torch.rand(N, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    lp, ent = fused(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=temperature,
+        chunk_size=4,
+        vocab_chunk_size=10,
+    )
+    g = (torch.rand(N, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale
     torch.autograd.backward([lp, ent], [g, g.flip(0)])
     for t in (hidden.grad, weight.grad, bias.grad):
         assert torch.isfinite(t).all()
     assert weight.grad[30:].eq(0).all() and bias.grad[30:].eq(0).all()
+    # The finite part equals the fp64 gradient of the same function on the unmasked vocabulary.
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach()[:30].double().requires_grad_()
+    b64 = bias.detach()[:30].double().requires_grad_()
+    z = (h64 @ w64.T + b64) / temperature
+    ls = torch.log_softmax(z, -1)
+    rlp = ls.gather(-1, labels[:, None]).squeeze(-1)
+    rent = -(ls.exp() * ls).sum(-1)
+    torch.autograd.backward([rlp, rent], [g.double(), g.flip(0).double()])
+    for got, want in (
+        (hidden.grad, h64.grad),
+        (weight.grad[:30], w64.grad),
+        (bias.grad[:30], b64.grad),
+    ):
+        torch.testing.assert_close(got.double(), want, atol=1e-4 * scale, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
