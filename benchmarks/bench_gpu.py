@@ -198,6 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke)")
+    parser.add_argument("--areas", default="logprobs,fused", help="comma-separated subset")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
@@ -206,7 +207,10 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}, median of {repeats}, "
         "CUDA-synchronized wall clock\n"
     )
+    areas = args.areas.split(",")
     lp_shapes = [(1024, 32000)] if args.quick else [(8192, 32000), (16384, 151936)]
+    if "logprobs" not in areas:
+        lp_shapes = []
     rows = []
     for n, v in lp_shapes:
         for dt in (torch.float32, torch.bfloat16):
@@ -230,6 +234,8 @@ def main() -> None:
         rows,
     )
     fh_shapes = [(1024, 256, 32000)] if args.quick else [(8192, 4096, 151936), (16384, 2048, 32000)]
+    if "fused" not in areas:
+        fh_shapes = []
     rows = []
     for n, h, v in fh_shapes:
         for dt in (torch.float32, torch.bfloat16):

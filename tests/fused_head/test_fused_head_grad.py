@@ -265,3 +265,33 @@ def test_no_grad_and_detached_inputs():
     lp, _ = fused(hidden, weight, labels, return_entropy=False)
     lp.sum().backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+def test_half_precision_backward_matmuls(monkeypatch):
+    # The accelerator path (half-precision backward matmuls, fp32 accumulation),
+    # forced on the CPU: gradients within bf16 rounding of the fp64 reference
+    # (one rounding of the block gradient and one of each block's product).
+    import rlmath.fused_head._function as fn
+
+    monkeypatch.setattr(fn, "_half_matmuls_pay", lambda device: True)
+    N, H, V = 37, 16, 300
+    hidden = make((N, H), torch.bfloat16, requires_grad=True)
+    weight = make((V, H), torch.bfloat16, seed=1, requires_grad=True)
+    bias = make((V,), torch.bfloat16, seed=2, requires_grad=True)
+    labels = make_labels((N,), V, ignore=[3])
+    g = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    lp, ent = fused(hidden, weight, labels, bias=bias, chunk_size=8, vocab_chunk_size=64)
+    torch.autograd.backward([lp, ent], [g, g.flip(0)])
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    ls = torch.log_softmax(h64 @ w64.T + b64, -1)
+    valid = labels != -100
+    rlp = ls.gather(-1, labels.clamp_min(0)[:, None]).squeeze(-1) * valid
+    rent = -(ls.exp() * ls).sum(-1) * valid
+    torch.autograd.backward([rlp, rent], [g.double(), g.flip(0).double()])
+    assert weight.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad), (bias.grad, b64.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 3 * 2**-8 * want.abs().max().item(), err
+    assert hidden.grad[3].eq(0).all()
