@@ -155,7 +155,7 @@ def log_probs_and_entropy_from_hidden(
                 f"{ignore_index}, found {int(flat[bad][0])}"
             )
     safe = torch.where(valid, flat, 0)
-    rows, tile = auto_tile_sizes(N, V, chunk_size=rows, vocab_chunk_size=tile)
+    rows, tile = auto_tile_sizes(N, V, chunk_size=rows, vocab_chunk_size=tile, device=hidden.device)
     kernel = get_fused_kernel(h)
     logp, ent = cast(
         tuple[torch.Tensor, torch.Tensor],
