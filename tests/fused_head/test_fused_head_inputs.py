@@ -83,3 +83,10 @@ def test_the_message_shows_expected_and_received():
     with pytest.raises(ValueError) as info:
         call(labels=torch.zeros(2, 2, dtype=torch.long))
     assert "(4,)" in str(info.value) and "(2, 2)" in str(info.value)
+
+
+def test_temperature_errors_name_the_hidden_states():
+    hidden, weight = torch.zeros(2, 3, 4), torch.zeros(5, 4)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden\.shape\[:-1\] = \(2, 3\)"):
+        log_probs_and_entropy_from_hidden(hidden, weight, labels, temperature=torch.ones(4))

@@ -142,7 +142,13 @@ def log_probs_and_entropy_from_hidden(
     batch = tuple(h.shape[:-1])
     V, H = w.shape
     temp = normalize_temperature(
-        temperature, batch, compute_dtype(h, w), h.device, validate=validate
+        temperature,
+        batch,
+        compute_dtype(h, w),
+        h.device,
+        validate=validate,
+        shape_name="hidden.shape[:-1]",
+        device_of="hidden",
     )
     N = math.prod(batch)
     flat = lab.reshape(N).long()

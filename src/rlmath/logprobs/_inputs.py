@@ -68,10 +68,14 @@ def normalize_temperature(
     device: torch.device,
     *,
     validate: bool,
+    shape_name: str = "logits.shape[:-1]",
+    device_of: str = "logits",
 ) -> torch.Tensor | float | None:
     """``None`` for a temperature of exactly 1, a float, or a flat ``(N,)`` tensor.
 
-    A tensor temperature must broadcast to ``batch_shape`` (= ``logits.shape[:-1]``);
+    A tensor temperature must broadcast to ``batch_shape`` (called ``shape_name``
+    in errors, ``logits.shape[:-1]`` by default; the tensor that sets the device
+    is ``device_of``);
     it is treated as a constant (no gradient flows into it). Its positivity is
     checked only with ``validate`` (reading tensor data synchronizes).
     """
@@ -80,12 +84,12 @@ def normalize_temperature(
         if t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"temperature must be a real tensor, got dtype {t.dtype}")
         if t.device != device:
-            raise ValueError(f"temperature is on {t.device} but logits is on {device}")
+            raise ValueError(f"temperature is on {t.device} but {device_of} is on {device}")
         try:
             t = t.to(dtype).expand(batch_shape)
         except RuntimeError:
             raise ValueError(
-                f"temperature must be broadcastable to logits.shape[:-1] = {batch_shape}, "
+                f"temperature must be broadcastable to {shape_name} = {batch_shape}, "
                 f"got shape {tuple(t.shape)}"
             ) from None
         t = t.reshape(-1)

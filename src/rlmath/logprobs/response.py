@@ -129,7 +129,15 @@ def _packed_response_log_probs(
     rows = row_of.gather(1, prev_c)[select]
     labels = ids[:, -R:][select]
     cdt = compute_dtype(logits_rmpad)
-    temp = normalize_temperature(temperature, (B, S), cdt, logits_rmpad.device, validate=False)
+    temp = normalize_temperature(
+        temperature,
+        (B, S),
+        cdt,
+        logits_rmpad.device,
+        validate=False,
+        shape_name="input_ids.shape",
+        device_of="logits_rmpad",
+    )
     if isinstance(temp, torch.Tensor):
         temp = temp.view(B, S).gather(1, prev_c)[select]
     chunk = resolve_chunk_size(
