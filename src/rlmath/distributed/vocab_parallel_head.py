@@ -26,15 +26,12 @@ from rlmath.distributed._collectives import ProcessGroup, is_distributed
 from rlmath.distributed.vocab_parallel_logits import compute_dtype
 from rlmath.distributed.vocab_parallel_stats import (
     ShardSpec,
-    Temperature,
-    TileWorkspace,
     combine_shard_stats,
     local_labels,
-    merge_stats,
-    shard_chunk_grad,
     shard_chunk_stats,
 )
-from rlmath.logprobs._kernels import grad_coefficients
+from rlmath.logprobs._blocks import TemperatureColumn, TileWorkspace, merge_tile_stats
+from rlmath.logprobs._kernels import chunk_grad, grad_coefficients
 
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "DEFAULT_ROWS", "VocabParallelHeadFn", "head_tile_sizes"]
 
@@ -131,7 +128,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         cdt, dev = compute_dtype(hidden), hidden.device
         n, real = hidden.shape[0], shard.real
         rows, tile = tiles
-        temp = Temperature(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         local, owned, valid = local_labels(labels, shard)
         live = valid.any(-1)
         m = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
@@ -155,7 +152,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
                         buf, ws, temperature=temp_c, labels=lab, entropy=want_entropy
                     )
                     tc = t[a:b] if t is not None else None
-                    m[a:b], s[a:b], tc = merge_stats(m[a:b], s[a:b], tc, cm, cs, ct)
+                    m[a:b], s[a:b], tc = merge_tile_stats((m[a:b], s[a:b], tc), (cm, cs, ct))
                     if t is not None and tc is not None:
                         t[a:b] = tc
                     assert cz is not None
@@ -192,7 +189,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
         cdt, dev = lse.dtype, hidden.device
         n, real = hidden.shape[0], shard.real
         rows, tile = ctx.tiles
-        temp = Temperature(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         alpha, beta, w = grad_coefficients(grad_logp, grad_ent, ent, temp.inv)
         # Accumulators in the compute dtype; zero rows for padding columns.
         gh = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
@@ -218,7 +215,7 @@ class VocabParallelHeadFn(torch.autograd.Function):
                         # The one-hot part of ∂logp/∂z: only on the columns holding the label.
                         lab, inside = _tile_labels(local[a:b], owned[a:b], lo, hi)
                         coef = torch.where(inside, w[a:b], 0)
-                    g = shard_chunk_grad(
+                    g = chunk_grad(
                         buf,
                         ws,
                         buf,

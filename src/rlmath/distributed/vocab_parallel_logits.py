@@ -22,16 +22,16 @@ from torch.autograd.function import once_differentiable
 from rlmath.distributed._collectives import ProcessGroup, all_reduce
 from rlmath.distributed.vocab_parallel_stats import (
     ShardSpec,
-    Temperature,
     combine_shard_stats,
     local_labels,
-    shard_chunk_grad,
     shard_chunk_stats,
-    shard_kl_grad,
 )
+from rlmath.logprobs._blocks import TemperatureColumn
 from rlmath.logprobs._functions import RowBlocks, chunk_ranges
 from rlmath.logprobs._kernels import (
     Workspace,
+    chunk_grad,
+    chunk_kl_grad,
     grad_coefficients,
     row_nansum,
     row_sum,
@@ -91,7 +91,7 @@ class VocabParallelLogProbsEntropyFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         cdt, dev = compute_dtype(logits), logits.device
         n = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
-        temp = Temperature(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         m = torch.full((n,), NEG_INF, dtype=cdt, device=dev)
         s = torch.zeros(n, dtype=cdt, device=dev)
         t = torch.zeros(n, dtype=cdt, device=dev) if want_entropy else None
@@ -145,7 +145,7 @@ class VocabParallelLogProbsEntropyFn(torch.autograd.Function):
             grad_logp = torch.where(valid, grad_logp, 0)  # an ignored label is a constant 0
         shard: ShardSpec = ctx.shard
         cdt, dev = lse.dtype, logits.device
-        temp = Temperature(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         alpha, beta, w = grad_coefficients(grad_logp, grad_ent, ent, temp.inv)
         if w is not None:
             # The one-hot part of ∂logp/∂z lives on the owner's columns only.
@@ -157,7 +157,7 @@ class VocabParallelLogProbsEntropyFn(torch.autograd.Function):
             ws = Workspace(min(ctx.chunk, n), shard.real, cdt, dev)
             lse_col = lse.unsqueeze(-1)
             for a, b in chunk_ranges(n, ctx.chunk, src, dst):
-                shard_chunk_grad(
+                chunk_grad(
                     src.get(a, b),
                     ws,
                     dst.get(a, b),
@@ -253,7 +253,7 @@ class VocabParallelKLFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         cdt, dev = compute_dtype(logits, ref_logits), logits.device
         n = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
-        temp = Temperature(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         kl = torch.zeros(n, dtype=cdt, device=dev)
         lse_z = torch.full((n,), NEG_INF, dtype=cdt, device=dev)
         lse_r = torch.full((n,), NEG_INF, dtype=cdt, device=dev)
@@ -280,7 +280,7 @@ class VocabParallelKLFn(torch.autograd.Function):
             return None, None, *none
         shard: ShardSpec = ctx.shard
         cdt, dev = kl.dtype, logits.device
-        temp = Temperature(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         g = grad_kl if temp.inv is None else grad_kl * temp.inv
         gz, dz = _empty_grad(logits, shard.real) if need_z else (None, None)
         gr, dr = _empty_grad(ref_logits, shard.real) if need_r else (None, None)
@@ -292,7 +292,7 @@ class VocabParallelKLFn(torch.autograd.Function):
             cols = [x.unsqueeze(-1) for x in (g, lse_z, lse_r, kl)]
             layouts = [x for x in (lay_z, lay_r, dz, dr) if x is not None]
             for a, b in chunk_ranges(n, ctx.chunk, *layouts):
-                shard_kl_grad(
+                chunk_kl_grad(
                     lay_z.get(a, b),
                     lay_r.get(a, b),
                     ws,

@@ -13,7 +13,7 @@ from rlmath._validation import check_tensor
 from rlmath.distributed._collectives import ProcessGroup, all_reduce
 from rlmath.distributed.vocab_parallel_layout import shard_spec, validate_layout
 from rlmath.distributed.vocab_parallel_logits import compute_dtype, real_columns
-from rlmath.distributed.vocab_parallel_stats import Temperature
+from rlmath.logprobs._blocks import TemperatureColumn
 from rlmath.logprobs._functions import RowBlocks, chunk_ranges
 from rlmath.logprobs._inputs import check_logits, normalize_temperature
 from rlmath.logprobs._kernels import Workspace, row_sum, scaled_max, scaled_shift
@@ -174,7 +174,7 @@ def vocab_parallel_sum_pi_squared(
         group=group,
     )
     cdt, dev = compute_dtype(logits), logits.device
-    temp = Temperature(
+    temp = TemperatureColumn(
         normalize_temperature(temperature, batch, cdt, dev, validate=validate), cdt, dev
     )
     if validate:

@@ -31,6 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rlmath.fused_head._tiles import TileWorkspace, merge_tile_stats, spans
+from rlmath.logprobs._blocks import TemperatureColumn
 from rlmath.logprobs._inputs import compute_dtype
 from rlmath.logprobs._kernels import (
     chunk_grad,
@@ -43,25 +44,6 @@ from rlmath.logprobs._kernels import (
 __all__ = ["FusedLinearLogProbsFn"]
 
 Temperature = torch.Tensor | float | None
-
-
-class _Temp:
-    """The temperature as the ``(rows, 1)`` / ``(1, 1)`` column the kernels take."""
-
-    def __init__(self, temperature: Temperature, dtype: torch.dtype, device: torch.device):
-        self.per_row = isinstance(temperature, torch.Tensor)
-        self.col: torch.Tensor | None = None
-        self.inv: torch.Tensor | float | None = None
-        if isinstance(temperature, torch.Tensor):
-            self.col, self.inv = temperature.unsqueeze(-1), temperature.reciprocal()
-        elif temperature is not None:
-            self.col = torch.full((1, 1), temperature, dtype=dtype, device=device)
-            self.inv = 1.0 / temperature
-
-    def rows(self, start: int, end: int) -> torch.Tensor | None:
-        if self.col is None or not self.per_row:
-            return self.col
-        return self.col[start:end]
 
 
 class _Blocks:
@@ -144,7 +126,7 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
         blocks = _Blocks(hidden, weight, bias, labels, valid, rows, tile)
         ws = blocks.ws
         cdt, dev, N = ws.dtype, hidden.device, hidden.shape[0]
-        temp = _Temp(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         big = torch.empty(N, dtype=cdt, device=dev)
         total_s = torch.empty(N, dtype=cdt, device=dev)
         total_t = torch.empty(N, dtype=cdt, device=dev) if want_entropy else None
@@ -193,7 +175,7 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
         ws = blocks.ws
         cdt, dev = ws.dtype, hidden.device
         H = hidden.shape[1]
-        temp = _Temp(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         # Ignored rows get zero coefficients (a NaN upstream gradient there stays out).
         g_logp = torch.where(valid, grad_logp, 0.0).unsqueeze(-1) if grad_logp is not None else None
         g_ent = torch.where(valid, grad_ent, 0.0) if grad_ent is not None else None

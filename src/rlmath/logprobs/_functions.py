@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from rlmath.logprobs._blocks import TemperatureColumn
 from rlmath.logprobs._kernels import (
     Workspace,
     chunk_grad,
@@ -74,25 +75,6 @@ def chunk_ranges(num_rows: int, chunk: int, *layouts: RowBlocks) -> Iterator[tup
     for lo, hi in itertools.pairwise(cuts):
         for start in range(lo, hi, chunk):
             yield start, min(start + chunk, hi)
-
-
-class _Temp:
-    """Temperature as the ``(rows, 1)`` (or ``(1, 1)``) compute-dtype column the kernels take."""
-
-    def __init__(self, temperature: Temperature, dtype: torch.dtype, device: torch.device):
-        self.col: torch.Tensor | None
-        self.inv: torch.Tensor | float | None
-        if temperature is None:
-            self.col, self.inv = None, None
-        elif isinstance(temperature, torch.Tensor):
-            self.col, self.inv = temperature.unsqueeze(-1), temperature.reciprocal()
-        else:
-            self.col = torch.full((1, 1), temperature, dtype=dtype, device=device)
-            self.inv = 1.0 / temperature
-        self.per_row = isinstance(temperature, torch.Tensor)
-
-    def rows(self, start: int, end: int) -> torch.Tensor | None:
-        return self.col[start:end] if self.per_row else self.col  # type: ignore[index]
 
 
 Rows = torch.Tensor | tuple[int, int, int] | None
@@ -179,7 +161,7 @@ class LogProbsEntropyFn(torch.autograd.Function):
         dev, V = logits.device, logits.shape[-1]
         src = _Source(logits, rows)
         M = src.num_rows
-        temp = _Temp(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         ws = Workspace(min(chunk, max(M, 1)), V, cdt, dev)
         m = torch.empty(M, dtype=cdt, device=dev)
         s = torch.empty(M, dtype=cdt, device=dev)
@@ -225,7 +207,7 @@ class LogProbsEntropyFn(torch.autograd.Function):
             grad_logp = None
         if ent is None:
             grad_ent = None
-        temp = _Temp(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         alpha, beta, w = grad_coefficients(grad_logp, grad_ent, ent, temp.inv)
         logp_only = beta is None and labels is not None and labels.shape[-1] == 1
         lse_col = lse.unsqueeze(-1)
@@ -277,7 +259,7 @@ class KLFromLogitsFn(torch.autograd.Function):
         dev, V = logits.device, logits.shape[-1]
         lay_z, lay_r = RowBlocks(logits), RowBlocks(ref_logits)
         N = lay_z.num_rows
-        temp = _Temp(temperature, cdt, dev)
+        temp = TemperatureColumn(temperature, cdt, dev)
         ws = Workspace(min(chunk, max(N, 1)), V, cdt, dev)
         kl = torch.empty(N, dtype=cdt, device=dev)
         lse_z = torch.empty(N, dtype=cdt, device=dev)
@@ -299,7 +281,7 @@ class KLFromLogitsFn(torch.autograd.Function):
         if grad_kl is None or not (need_z or need_r):
             return None, None, None, None
         cdt, V, dev = kl.dtype, logits.shape[-1], logits.device
-        temp = _Temp(ctx.temperature, cdt, dev)
+        temp = TemperatureColumn(ctx.temperature, cdt, dev)
         g = grad_kl if temp.inv is None else grad_kl * temp.inv
         g, lse_z, lse_r, kl = (
             g.unsqueeze(-1),
