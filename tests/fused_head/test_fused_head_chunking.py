@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.fused_head._tiles import spans
-from rlmath.fused_head.chunking import DEFAULT_BLOCK_ELEMENTS, DEFAULT_ROWS, auto_tile_sizes
+from rlmath.fused_head.chunking import (
+    DEFAULT_BLOCK_ELEMENTS,
+    DEFAULT_ROWS,
+    auto_tile_sizes,
+    elementwise_rows,
+)
+from tests.fused_head.fused_head_reference import make, make_labels
 
 
 @given(total=st.integers(0, 5000), step=st.integers(1, 700))
@@ -38,4 +47,39 @@ def test_automatic_sizes_are_bounded(n, v):
 def test_real_shapes_get_large_blocks():
     for n, v in [(8192, 32000), (4096, 151936)]:
         rows, tile = auto_tile_sizes(n, v)
-        assert rows == 1024 and tile >= 4000
+        # Hundreds of rows for the matmuls, blocks of millions of entries.
+        assert rows >= 2000 and tile >= 2000 and rows * tile >= 4_000_000
+
+
+def test_elementwise_rows():
+    threads = torch.get_num_threads()
+    for rows, width in ((1, 10), (7, 3), (1024, 4096), (2048, 151936), (4096, 1)):
+        sub = elementwise_rows(rows, width)
+        assert 1 <= sub <= rows
+        # About 1 MiB of fp32 per slice, at least two rows per thread.
+        assert sub <= max(2**20 // (4 * width), 2 * threads)
+    assert elementwise_rows(1024, 4096, "cuda") == 1024  # accelerators: one slice per block
+    if threads == 2:
+        assert elementwise_rows(1024, 4096) == 64
+
+
+@pytest.mark.parametrize("sub", [1, 3, 1000])
+def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub):
+    import rlmath.fused_head._function as fn
+
+    def run():
+        hidden = make((23, 6), torch.float32, requires_grad=True)
+        weight = make((50, 6), torch.float32, seed=1, requires_grad=True)
+        labels = make_labels((23,), 50, ignore=[2])
+        t = torch.rand(23, generator=torch.Generator().manual_seed(3)) + 0.5
+        lp, ent = log_probs_and_entropy_from_hidden(
+            hidden, weight, labels, temperature=t, chunk_size=8, vocab_chunk_size=16
+        )
+        torch.autograd.backward([lp, ent], [torch.ones(23), -torch.ones(23)])
+        return lp, ent, hidden.grad, weight.grad
+
+    want = run()
+    monkeypatch.setattr(fn, "elementwise_rows", lambda rows, width, device=None: min(rows, sub))
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -31,6 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rlmath.fused_head._tiles import TileWorkspace, merge_tile_stats, spans
+from rlmath.fused_head.chunking import elementwise_rows
 from rlmath.logprobs._blocks import TemperatureColumn
 from rlmath.logprobs._inputs import compute_dtype
 from rlmath.logprobs._kernels import (
@@ -63,12 +64,13 @@ class _Blocks:
         self.labels, self.valid = labels, valid
         self.row_spans = spans(hidden.shape[0], rows)
         self.tile_spans = spans(weight.shape[0], tile)
-        self.ws = TileWorkspace(
-            min(rows, max(1, hidden.shape[0])),
-            min(tile, weight.shape[0]),
-            compute_dtype(hidden, weight),
-            hidden.device,
-        )
+        c_max, w_max = min(rows, max(1, hidden.shape[0])), min(tile, weight.shape[0])
+        cdt = compute_dtype(hidden, weight)
+        # Block-sized buffers (the logits block, the gradient block, matmul operands)...
+        self.ws = TileWorkspace(c_max, w_max, cdt, hidden.device)
+        # ...and slice-sized scratch for the elementwise passes (see elementwise_rows).
+        self.sub = elementwise_rows(c_max, w_max, hidden.device)
+        self.small = TileWorkspace(self.sub, w_max, cdt, hidden.device)
 
     def hidden_rows(self, r0: int, r1: int) -> torch.Tensor:
         """``hidden[r0:r1]`` with the rows of ignored labels replaced by zeros."""
@@ -82,6 +84,11 @@ class _Blocks:
         if self.bias is None:
             return torch.mm(h, w, out=out)
         return torch.addmm(self.bias[v0:v1], h, w, out=out)
+
+    def slices(self, c: int, v0: int, v1: int) -> list[tuple[int, int]]:
+        """Row slices of a ``(c, v1 - v0)`` block for the elementwise passes."""
+        self.small.width = v1 - v0
+        return spans(c, self.sub)
 
     def local_labels(self, r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index (c, 1) into the tile, in-tile mask (c, 1))`` of each row's label."""
@@ -133,17 +140,27 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
         z_label = torch.zeros(N, 1, dtype=cdt, device=dev)
         for r0, r1 in blocks.row_spans:
             h = blocks.hidden_rows(r0, r1)
-            t_rows = temp.rows(r0, r1)
             c = r1 - r0
             neg_inf = torch.full((c,), float("-inf"), dtype=cdt, device=dev)
             zero = torch.zeros(c, dtype=cdt, device=dev)
             stats = (neg_inf, zero, zero if want_entropy else None)
+            tm, ts = torch.empty_like(zero), torch.empty_like(zero)
+            tt = torch.empty_like(zero) if want_entropy else None
             for v0, v1 in blocks.tile_spans:
                 z = blocks.logits(h, v0, v1)
                 idx, inside = blocks.local_labels(r0, r1, v0, v1)
                 z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
-                cm, cs, ct, _ = chunk_stats(z, ws, temperature=t_rows, entropy=want_entropy)
-                stats = merge_tile_stats(stats, (cm, cs, ct))
+                for a, b in blocks.slices(c, v0, v1):
+                    cm, cs, ct, _ = chunk_stats(
+                        z[a:b],
+                        blocks.small,
+                        temperature=temp.rows(r0 + a, r0 + b),
+                        entropy=want_entropy,
+                    )
+                    tm[a:b], ts[a:b] = cm, cs
+                    if tt is not None and ct is not None:
+                        tt[a:b] = ct
+                stats = merge_tile_stats(stats, (tm, ts, tt))
             big[r0:r1], total_s[r0:r1] = stats[0], stats[1]
             if total_t is not None and stats[2] is not None:
                 total_t[r0:r1] = stats[2]
@@ -191,9 +208,12 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
         # matmuls are as fast and keep the gradient unrounded.
         lowp = (half_h or half_w) and _half_matmuls_pay(hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+        # The first row chunk writes each weight-gradient tile, later ones accumulate:
+        # no separate pass to zero V·H entries.
+        new = torch.empty if blocks.row_spans else torch.zeros  # no rows: nothing writes it
+        grad_w = new(weight.shape, dtype=cdt, device=dev) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b else None
-        for r0, r1 in blocks.row_spans:
+        for j, (r0, r1) in enumerate(blocks.row_spans):
             c = r1 - r0
             h = blocks.hidden_rows(r0, r1)
             h_c = ws.scratch("h32", (c, H), cdt).copy_(h) if half_h and need_w and not lowp else h
@@ -202,17 +222,20 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
             for k, (v0, v1) in enumerate(blocks.tile_spans):
                 z = blocks.logits(h, v0, v1)
                 idx, inside = blocks.local_labels(r0, r1, v0, v1)
-                g = chunk_grad(
-                    z,
-                    ws,
-                    z if z.dtype == cdt else ws.get("g", c),
-                    lse=lse_col[r0:r1],
-                    alpha=alpha[r0:r1],
-                    beta=beta[r0:r1] if beta is not None else None,
-                    w=torch.where(inside, w_label[r0:r1], 0.0) if w_label is not None else None,
-                    labels=idx,
-                    temperature=temp.rows(r0, r1),
-                )
+                g = z if z.dtype == cdt else ws.get("g", c)
+                w_in = torch.where(inside, w_label[r0:r1], 0.0) if w_label is not None else None
+                for a, b in blocks.slices(c, v0, v1):
+                    chunk_grad(
+                        z[a:b],
+                        blocks.small,
+                        g[a:b],
+                        lse=lse_col[r0 + a : r0 + b],
+                        alpha=alpha[r0 + a : r0 + b],
+                        beta=beta[r0 + a : r0 + b] if beta is not None else None,
+                        w=w_in[a:b] if w_in is not None else None,
+                        labels=idx[a:b],
+                        temperature=temp.rows(r0 + a, r0 + b),
+                    )
                 if lowp:
                     _lowp_matmuls(
                         g,
@@ -221,7 +244,8 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
                         ws,
                         acc if grad_h is not None else None,
                         grad_w[v0:v1] if grad_w is not None else None,
-                        first=k == 0,
+                        first_h=k == 0,
+                        first_w=j == 0,
                     )
                 else:
                     if grad_h is not None:
@@ -233,7 +257,10 @@ class FusedLinearLogProbsFn(torch.autograd.Function):
                         else:
                             acc.addmm_(g, w_tile)
                     if grad_w is not None:
-                        grad_w[v0:v1].addmm_(g.T, h_c)
+                        if j == 0:
+                            torch.mm(g.T, h_c, out=grad_w[v0:v1])
+                        else:
+                            grad_w[v0:v1].addmm_(g.T, h_c)
                 if grad_b is not None:
                     grad_b[v0:v1] += g.sum(0)
             if grad_h is not None and half_h:
@@ -258,7 +285,8 @@ def _lowp_matmuls(
     acc_h: torch.Tensor | None,
     acc_w: torch.Tensor | None,
     *,
-    first: bool,
+    first_h: bool,
+    first_w: bool,
 ) -> None:
     """``acc_h (+)= g @ w_tile`` and ``acc_w += g.T @ h`` as half-precision matmuls.
 
@@ -266,15 +294,19 @@ def _lowp_matmuls(
     to the dtype of ``h`` ``(c, H)`` and ``w_tile`` ``(tile, H)`` once, each
     product is formed by a half-precision matmul (fp32 accumulation inside the
     GEMM) and added to the fp32 accumulators ``acc_h`` ``(c, H)`` and
-    ``acc_w`` ``(tile, H)``; ``first`` overwrites ``acc_h`` instead.
+    ``acc_w`` ``(tile, H)``; ``first_h`` / ``first_w`` overwrite them instead.
     """
     c, tile, H = g.shape[0], g.shape[1], h.shape[1]
     g_half = ws.get("g_half", c, dtype=h.dtype).copy_(g)
     if acc_h is not None:
         part = torch.mm(g_half, w_tile, out=ws.scratch("gh_part", (c, H), h.dtype))
-        if first:
+        if first_h:
             acc_h.copy_(part)
         else:
             acc_h.add_(part)
     if acc_w is not None:
-        acc_w.add_(torch.mm(g_half.T, h, out=ws.scratch("gw_part", (tile, H), h.dtype)))
+        part = torch.mm(g_half.T, h, out=ws.scratch("gw_part", (tile, H), h.dtype))
+        if first_w:
+            acc_w.copy_(part)
+        else:
+            acc_w.add_(part)
