@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmath-installed
 
-.PHONY: demo test lint typecheck bench peers
+.PHONY: demo test lint typecheck bench bench-gpu peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+	for f in benchmarks/bench_*.py; do \
+		[ "$$f" = benchmarks/bench_gpu.py ] || $(PY) $$f || exit 1; \
+	done
+
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/bench_gpu.py
 
 # Differential tests against verl 0.9.1 and TRL 0.24, in their own environment.
 peers:
