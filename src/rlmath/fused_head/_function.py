@@ -5,18 +5,23 @@ vocabulary entries, computes the block of logits ``hidden_chunk @ weight_tile.T
 (+ bias_tile)`` into one reused buffer (in the inputs' dtype, as
 ``hidden @ weight.T`` would) and reduces it with the shared chunk primitives
 of :mod:`rlmath.logprobs._kernels` (upcast to the compute dtype element by
-element). The per-tile statistics are merged into the row's log-sum-exp and
-entropy (:func:`rlmath.fused_head._tiles.merge_tile_stats`). Only the inputs
-and an fp32 log-sum-exp and entropy per row are saved.
+element; on a CPU in L2-sized row slices of the block, see
+:func:`rlmath.fused_head.chunking.elementwise_rows`). The per-tile statistics
+are merged into the row's log-sum-exp and entropy
+(:func:`rlmath.logprobs._blocks.merge_tile_stats`). Only the inputs and an
+fp32 log-sum-exp and entropy per row are saved.
 
 Backward recomputes each block, turns it into ``grad_logits`` with the shared
 :func:`~rlmath.logprobs._kernels.chunk_grad` (from the saved log-sum-exp, so a
 tile needs nothing from the others) and feeds it to three compute-dtype
 matmuls: ``grad_hidden[chunk] += g @ weight_tile``,
 ``grad_weight[tile] += g.T @ hidden_chunk`` and ``grad_bias[tile] += Σ g``.
-For half-precision inputs the weight tile and hidden chunk are upcast for
-these matmuls and ``grad_weight`` accumulates in one fp32 buffer of the
-weight's shape, rounded once at the end (as ``grad_hidden`` is per chunk).
+For half-precision inputs on a CPU the weight tile and hidden chunk are
+upcast for these matmuls; on an accelerator ``g`` is rounded to the inputs'
+dtype and the matmuls run in half precision (tensor cores), each product
+added to fp32 accumulators. Either way ``grad_weight`` accumulates in one
+fp32 buffer of the weight's shape, rounded once at the end (as
+``grad_hidden`` is per chunk).
 
 Rows whose label is ``ignore_index`` are computed with a zero hidden state
 (so NaN or inf there cannot reach anything), return 0 and get a zero
