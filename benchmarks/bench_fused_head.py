@@ -51,6 +51,9 @@ from rlmath.logprobs import log_probs_and_entropy_from_logits
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tests.memory_tracker import MemoryTracker
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tables import fused_header, print_header, print_rows
+
 try:  # an optional peer, never a dependency
     from verl.utils.experimental.torch_functional import (  # type: ignore[import-not-found]
         FusedLinearForPPO,
@@ -146,18 +149,6 @@ def bench_case(
     return rows
 
 
-HEADER = [
-    "N×H×V",
-    "dtype",
-    "impl",
-    "fwd+bwd s",
-    "× unfused",
-    "extra peak MiB",
-    "extra (− fp32 W buffer if half) / fp32 logits",
-    "max err vs fp64 (logp / H)",
-]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -175,13 +166,11 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats}; "
         f"verl: {'yes' if verl else 'no'}\n"
     )
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER))
+    print_header(fused_header("s"))
     for shape in shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
         for dt in args.dtypes.split(","):
-            for row in bench_case(n, h, v, getattr(torch, dt), repeats, not args.no_peers):
-                print("| " + " | ".join(row) + " |", flush=True)
+            print_rows(bench_case(n, h, v, getattr(torch, dt), repeats, not args.no_peers))
             gc.collect()
 
 

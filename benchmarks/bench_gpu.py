@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 import rlmath as R
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tables import LOGPROBS_HEADER, fused_header, print_header, print_rows
 
 Fn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -187,11 +192,10 @@ def fused_rows(n: int, h: int, v: int, dtype: torch.dtype, repeats: int) -> list
 
 
 def _table(header: list[str], rows: list[list[str]]) -> None:
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |", flush=True)
-    print()
+    if rows:
+        print_header(header)
+        print_rows(rows)
+        print()
 
 
 def main() -> None:
@@ -217,22 +221,7 @@ def main() -> None:
             rows += logprobs_rows(n, v, dt, repeats)
             gc.collect()
             torch.cuda.empty_cache()
-    _table(
-        [
-            "logits",
-            "dtype",
-            "function",
-            "impl",
-            "fwd ms",
-            "fwd ×naive",
-            "fwd+bwd ms",
-            "fwd+bwd ×naive",
-            "extra peak MiB",
-            "extra / fp32 logits",
-            "max err vs fp64 (logp / H)",
-        ],
-        rows,
-    )
+    _table(LOGPROBS_HEADER, rows)
     fh_shapes = [(1024, 256, 32000)] if args.quick else [(8192, 4096, 151936), (16384, 2048, 32000)]
     if "fused" not in areas:
         fh_shapes = []
@@ -242,19 +231,7 @@ def main() -> None:
             rows += fused_rows(n, h, v, dt, repeats)
             gc.collect()
             torch.cuda.empty_cache()
-    _table(
-        [
-            "N×H×V",
-            "dtype",
-            "impl",
-            "fwd+bwd ms",
-            "× unfused",
-            "extra peak MiB",
-            "extra / fp32 logits",
-            "max err vs fp64 (logp / H)",
-        ],
-        rows,
-    )
+    _table(fused_header("ms"), rows)
 
 
 if __name__ == "__main__":

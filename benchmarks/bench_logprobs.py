@@ -41,6 +41,9 @@ import torch
 
 import rlmath as R
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tables import LOGPROBS_HEADER, print_header, print_rows
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tests.memory_tracker import MemoryTracker
 
@@ -183,21 +186,6 @@ def bench_case(
     return rows
 
 
-HEADER = [
-    "logits",
-    "dtype",
-    "function",
-    "impl",
-    "fwd ms",
-    "fwd ×naive",
-    "fwd+bwd ms",
-    "fwd+bwd ×naive",
-    "extra peak MiB",
-    "extra / fp32 logits",
-    "max err vs fp64 (logp / H)",
-]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -216,8 +204,7 @@ def main() -> None:
         f"verl: {'yes' if verl_logprobs is not None and not args.no_peers else 'no'}, "
         f"trl: {'yes' if trl_logprobs is not None and not args.no_peers else 'no'}\n"
     )
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER))
+    print_header(LOGPROBS_HEADER)
     for shape in shapes.split(","):
         n, v = (int(s) for s in shape.split("x"))
         for dt in args.dtypes.split(","):
@@ -225,8 +212,7 @@ def main() -> None:
                 rows = bench_case(
                     n, v, getattr(torch, dt), func != "log_probs", repeats, not args.no_peers
                 )
-                for row in rows:
-                    print("| " + " | ".join(row) + " |", flush=True)
+                print_rows(rows)
                 gc.collect()
 
 

@@ -41,6 +41,25 @@ def test_gradcheck(subset, tiles):
     assert gradcheck(f, (hidden, weight, bias))
 
 
+def test_gradcheck_with_one_row_elementwise_slices(monkeypatch):
+    # Every block reduced and differentiated one row at a time (the CPU path slices
+    # blocks for the elementwise passes; 1-row slices put a boundary between all rows).
+    import rlmath.fused_head._function as fn
+
+    monkeypatch.setattr(fn, "elementwise_rows", lambda rows, width, device=None: 1)
+    N, H, V = 6, 3, 10
+    hidden = make((N, H), requires_grad=True)
+    weight = make((V, H), seed=1, requires_grad=True)
+    bias = make((V,), seed=2, requires_grad=True)
+    labels = make_labels((N,), V, ignore=[4])
+    t = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+
+    def f(h, w, b):
+        return fused(h, w, labels, bias=b, temperature=t, chunk_size=4, vocab_chunk_size=6)
+
+    assert gradcheck(f, (hidden, weight, bias))
+
+
 def test_gradcheck_log_probs_only_with_entropy_computed_and_float_temperature():
     hidden = make((5, 3), requires_grad=True)
     weight = make((9, 3), seed=1, requires_grad=True)
@@ -280,8 +299,11 @@ def test_half_precision_backward_matmuls(monkeypatch):
     bias = make((V,), torch.bfloat16, seed=2, requires_grad=True)
     labels = make_labels((N,), V, ignore=[3])
     g = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    before = [x.detach().clone() for x in (hidden, weight, bias, labels)]
     lp, ent = fused(hidden, weight, labels, bias=bias, chunk_size=8, vocab_chunk_size=64)
     torch.autograd.backward([lp, ent], [g, g.flip(0)])
+    for x, y in zip((hidden, weight, bias, labels), before):
+        assert torch.equal(x.detach(), y)
     h64 = hidden.detach().double().requires_grad_()
     w64 = weight.detach().double().requires_grad_()
     b64 = bias.detach().double().requires_grad_()

@@ -228,3 +228,9 @@ def test_response_bad_input():
         log_probs_from_logits_all_rmpad(
             ids[mask], logits[mask], mask.view(-1).nonzero().squeeze(1), 0, 4, 2
         )
+
+
+def test_rmpad_temperature_errors_name_input_ids():
+    ids, mask, logits = padded_batch([2, 2], [2, 2], 2, 2)
+    with pytest.raises(ValueError, match=r"input_ids\.shape = \(2, 4\)"):
+        log_probs_from_logits_response_rmpad(ids, mask, logits[mask], 2, temperature=torch.ones(3))

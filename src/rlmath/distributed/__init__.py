@@ -5,50 +5,23 @@ behaves as a world of one process when torch.distributed is not initialized.
 See docs/distributed.md.
 """
 
-from rlmath.distributed.data_parallel import (
-    distributed_mean_max_min_std,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-from rlmath.distributed.launch import (
-    init_from_env,
-    run_distributed,
-)
-from rlmath.distributed.vocab_parallel import (
-    vocab_parallel_entropy,
-    vocab_parallel_kl_from_logits,
-    vocab_parallel_log_probs_and_entropy,
-    vocab_parallel_log_probs_and_entropy_from_hidden,
-    vocab_parallel_log_probs_from_logits,
-    vocab_parallel_log_probs_from_logits_response_rmpad,
-    vocab_parallel_sum_pi_squared,
-)
+from rlmath.distributed import data_parallel, launch, vocab_parallel
+from rlmath.distributed.data_parallel import *
+from rlmath.distributed.launch import *
+from rlmath.distributed.vocab_parallel import *
 
 # The names DESIGN.md uses for the data-parallel statistics.
-distributed_masked_mean = masked_mean
-distributed_masked_var = masked_var
-distributed_masked_whiten = masked_whiten
-distributed_masked_sum = masked_sum
+distributed_masked_mean = data_parallel.masked_mean
+distributed_masked_var = data_parallel.masked_var
+distributed_masked_whiten = data_parallel.masked_whiten
+distributed_masked_sum = data_parallel.masked_sum
 
 __all__ = [
     "distributed_masked_mean",
     "distributed_masked_sum",
     "distributed_masked_var",
     "distributed_masked_whiten",
-    "distributed_mean_max_min_std",
-    "init_from_env",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "run_distributed",
-    "vocab_parallel_entropy",
-    "vocab_parallel_kl_from_logits",
-    "vocab_parallel_log_probs_and_entropy",
-    "vocab_parallel_log_probs_and_entropy_from_hidden",
-    "vocab_parallel_log_probs_from_logits",
-    "vocab_parallel_log_probs_from_logits_response_rmpad",
-    "vocab_parallel_sum_pi_squared",
 ]
+__all__ += data_parallel.__all__
+__all__ += launch.__all__
+__all__ += vocab_parallel.__all__

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from rlmath.logprobs.chunking import CPU_CHUNK_BYTES
+from rlmath.logprobs.chunking import auto_chunk_size, is_cpu
 
 __all__ = [
     "ACCELERATOR_BLOCK_ELEMENTS",
@@ -100,7 +100,7 @@ def auto_tile_sizes(
         Two positive ints.
     """
     n, v = max(1, num_rows), max(1, vocab_size)
-    cpu = device is None or torch.device(device).type == "cpu"
+    cpu = is_cpu(device)
     target, fraction = (
         (DEFAULT_BLOCK_ELEMENTS, _MAX_FRACTION)
         if cpu
@@ -129,17 +129,14 @@ def elementwise_rows(rows: int, width: int, device: torch.device | str | None = 
     The matmuls want large blocks; the half-dozen elementwise passes over a
     block (max, shift, exp, sums; in backward the gradient) are fast only
     while their data stays in the L2 cache. So on a CPU each block is reduced
-    in row slices of about :data:`rlmath.logprobs.chunking.CPU_CHUNK_BYTES`
-    (1 MiB) of fp32, at least two rows per intra-op thread. On an accelerator
-    the whole block is one slice (every op is a kernel launch).
+    in the slices the log-probs engine uses for logits of width ``width``
+    (:func:`rlmath.logprobs.chunking.auto_chunk_size`: about 1 MiB of fp32, at
+    least two rows per intra-op thread). On an accelerator the whole block is
+    one slice (every op is a kernel launch).
 
     Returns:
-        A positive int, at most ``rows``.
+        A positive int, at most ``max(rows, 1)``.
     """
-    if device is not None and torch.device(device).type != "cpu":
+    if not is_cpu(device):
         return max(1, rows)
-    threads = max(1, torch.get_num_threads())
-    sub = max(CPU_CHUNK_BYTES // (4 * max(1, width)), 2 * threads)
-    if sub >= threads:
-        sub -= sub % threads
-    return max(1, min(rows, sub))
+    return auto_chunk_size(width, rows)

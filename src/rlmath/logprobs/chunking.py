@@ -30,6 +30,7 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "TARGET_CHUNKS",
     "auto_chunk_size",
+    "is_cpu",
     "resolve_chunk_size",
 ]
 
@@ -46,7 +47,8 @@ TARGET_CHUNKS = 32
 """Number of chunks the non-CPU default aims at between those bounds."""
 
 
-def _is_cpu(device: torch.device | str | None) -> bool:
+def is_cpu(device: torch.device | str | None) -> bool:
+    """Whether ``device`` (``None`` meaning the default) is a CPU: the chunk-size rules differ."""
     return device is None or torch.device(device).type == "cpu"
 
 
@@ -74,7 +76,7 @@ def auto_chunk_size(
     """
     row_bytes = 4 * max(1, vocab_size)
     threads = max(1, torch.get_num_threads())
-    if _is_cpu(device):
+    if is_cpu(device):
         rows = max(CPU_CHUNK_BYTES // row_bytes, 2 * threads)
     else:
         lo = max(1, MIN_CHUNK_BYTES // row_bytes)
