@@ -38,7 +38,7 @@ def demo(verbose: bool = True) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(TOKENS, VOCAB, generator=g, dtype=torch.float64) * 2).to(device)
     labels = torch.randint(0, VOCAB, (TOKENS,), generator=g).to(device)
-    labels[-1] = -100  # an ignored position (padding): log-prob 0, no gradient
+    labels[-1] = -100  # an ignored position (padding): log-prob and entropy 0, no gradient
 
     # This rank's columns: uneven shards, e.g. 25129 + 25128 columns for 2 ranks.
     bounds = [round(r * VOCAB / world) for r in range(world + 1)]
@@ -52,13 +52,11 @@ def demo(verbose: bool = True) -> dict[str, float]:
     loss = -logp.sum() - 0.01 * entropy.sum()
     loss.backward()
 
-    # Single process on the whole vocabulary.
+    # Single process on the whole vocabulary: the same operation, without a shard.
     full = logits.clone().requires_grad_()
-    valid = labels != -100
     ref_logp, ref_entropy = log_probs_and_entropy_from_logits(
-        full, torch.where(valid, labels, 0), temperature=TEMPERATURE
+        full, labels, temperature=TEMPERATURE, ignore_index=-100
     )
-    ref_logp = torch.where(valid, ref_logp, 0)
     (-ref_logp.sum() - 0.01 * ref_entropy.sum()).backward()
 
     diffs = {

@@ -9,6 +9,7 @@ synchronizes with an accelerator.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -17,8 +18,15 @@ __all__ = [
     "check_choice",
     "check_finite_scalar",
     "check_in_range",
+    "check_index_tensor",
+    "check_label_values",
+    "check_labels",
+    "check_logits",
     "check_mask",
+    "check_optional_int",
+    "check_positive_int_or_none",
     "check_same_shape",
+    "check_temperature",
     "check_tensor",
     "result_dtype",
 ]
@@ -92,3 +100,132 @@ def check_in_range(
 def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 if any input is fp64, else fp32: the dtype of every rlmath result."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+# ---------------------------------------------------------------- vocabulary inputs
+
+
+def check_logits(name: str, logits: object) -> torch.Tensor:
+    """A floating tensor with at least one dim and a non-empty last (vocabulary) dim."""
+    x = check_tensor(name, logits, floating=True)
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have shape (..., V), got a 0-d tensor")
+    if x.shape[-1] < 1:
+        raise ValueError(
+            f"{name} must have a non-empty vocabulary dim V, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_index_tensor(name: str, x: object) -> torch.Tensor:
+    """An integer tensor (not bool): token ids, labels, indices."""
+    t = check_tensor(name, x)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    return t
+
+
+def check_labels(
+    name: str,
+    labels: object,
+    batch: tuple[int, ...],
+    device: torch.device,
+    *,
+    allow_k: bool = True,
+    device_of: str = "logits",
+    batch_name: str = "logits.shape[:-1]",
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``labels`` as an ``(N, K)`` int64 tensor, and the shape of the result.
+
+    ``labels`` has shape ``batch`` (one label per row; result of that shape)
+    or, with ``allow_k``, ``batch + (K,)`` (K candidates per row; result
+    ``batch + (K,)``). Shapes only: values are checked by :func:`check_label_values`.
+    """
+    lab = check_index_tensor(name, labels)
+    if lab.device != device:
+        raise ValueError(f"{name} is on {lab.device} but {device_of} is on {device}")
+    if tuple(lab.shape) == batch:
+        out_shape, k = batch, 1
+    elif allow_k and lab.dim() == len(batch) + 1 and tuple(lab.shape[:-1]) == batch:
+        out_shape, k = tuple(lab.shape), lab.shape[-1]
+    else:
+        expected = f"{batch_name} = {batch}" + (f" or {batch} + (K,)" if allow_k else "")
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(lab.shape)}")
+    return lab.reshape(math.prod(batch), k).long(), out_shape
+
+
+def check_label_values(
+    name: str, labels: torch.Tensor, vocab: int, ignore_index: int | None
+) -> None:
+    """Every label lies in ``[0, vocab)`` or equals ``ignore_index`` (reads data: a host sync)."""
+    if not labels.numel():
+        return
+    ok = (labels >= 0) & (labels < vocab)
+    if ignore_index is not None:
+        ok |= labels == ignore_index
+    if not bool(ok.all()):
+        bad = int(labels[~ok].reshape(-1)[0])
+        also = f" or equal ignore_index = {ignore_index}" if ignore_index is not None else ""
+        raise ValueError(f"{name} must lie in [0, {vocab}) (the vocabulary){also}, found {bad}")
+
+
+def check_optional_int(name: str, value: object) -> int | None:
+    """``None`` or an integer (Python or numpy; never a bool)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    return int(value)
+
+
+def check_positive_int_or_none(name: str, value: object) -> int | None:
+    """``None`` or an integer ``>= 1``."""
+    v = check_optional_int(name, value)
+    if v is not None and v < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {v}")
+    return v
+
+
+def check_temperature(
+    temperature: object,
+    batch: tuple[int, ...],
+    device: torch.device,
+    *,
+    validate: bool,
+    shape_name: str = "logits.shape[:-1]",
+    device_of: str = "logits",
+) -> tuple[torch.Tensor | None, float]:
+    """A temperature as ``(tensor or None, scalar)``.
+
+    A float (Python or numpy, or a 0-d CPU tensor) must be finite and > 0:
+    ``(None, value)``. A tensor must be real and broadcastable to ``batch``
+    (called ``shape_name`` in errors); it is returned detached and unchanged
+    (``(tensor, 1.0)``; it receives no gradient), and its values are checked
+    only with ``validate`` (reading tensor data synchronizes).
+    """
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach()
+        if t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"temperature must be a real tensor, got dtype {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"temperature is on {t.device} but {device_of} is on {device}")
+        try:
+            shape = torch.broadcast_shapes(tuple(t.shape), batch)
+        except RuntimeError:
+            shape = None
+        if shape != batch:
+            raise ValueError(
+                f"temperature must be broadcastable to {shape_name} = {batch}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if validate and t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
+            raise ValueError("temperature must be finite and > 0 everywhere")
+        return t, 1.0
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(
+            f"temperature must be a float or a tensor, got {type(temperature).__name__}"
+        )
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return None, value

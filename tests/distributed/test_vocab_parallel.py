@@ -101,13 +101,17 @@ def _single_process_logits(case: Case, padded: int, fn: str) -> dict:
         lab = _safe_labels(labels)
         lp = _masked_lp(log_probs_from_logits(leaves[0], lab, temperature=temp), labels)
         ent = entropy_from_logits(leaves[1], temperature=temp)
-        lp2, ent2 = log_probs_and_entropy_from_logits(leaves[2], lab, temperature=temp)
-        lp2 = _masked_lp(lp2, labels)
+        lp2, ent2 = log_probs_and_entropy_from_logits(
+            leaves[2], labels, temperature=temp, ignore_index=IGNORE
+        )
         kl = kl_from_logits(leaves[3], ref_leaf, temperature=temp)
     else:
         lp, _, _ = math_reference(leaves[0], None, labels, temp)
         _, ent, _ = math_reference(leaves[1], None, labels, temp)
         lp2, ent2, _ = math_reference(leaves[2], None, labels, temp)
+        # A row whose labels are all ignored is skipped: entropy 0 as well.
+        dead = labels == IGNORE if labels.dim() == x.dim() - 1 else (labels == IGNORE).all(-1)
+        ent2 = torch.where(dead, 0, ent2)
         _, _, kl = math_reference(leaves[3], ref_leaf, labels, temp)
 
     def loss(c, y):
@@ -115,13 +119,6 @@ def _single_process_logits(case: Case, padded: int, fn: str) -> dict:
 
     total = loss(coef[0], lp) + loss(coef[1], ent) + loss(coef[2], lp2) + loss(coef[3], ent2)
     (total + loss(coef[5], kl)).backward()
-    if fn == "rlmath":
-        # rlmath.logprobs' entropy backward can give NaN (0·inf) on -inf logits when
-        # |∂L/∂H| > T (reported to the lead); the true gradient there is 0, which the
-        # math reference checks. Nothing else is patched.
-        dead = x == float("-inf")
-        for leaf in leaves[1:3]:
-            leaf.grad = torch.where(dead & leaf.grad.isnan(), 0, leaf.grad)
     return {
         "lp": lp.detach(),
         "ent": ent.detach(),
@@ -413,9 +410,15 @@ def test_world_one_equals_single_process_and_keeps_inputs():
     x, labels, temp = _problem(3, dtype=torch.float32)
     before = x.clone()
     lp, ent = vp.vocab_parallel_log_probs_and_entropy(x, labels, temperature=temp)
-    want_lp, want_ent = log_probs_and_entropy_from_logits(x, _safe_labels(labels), temperature=temp)
-    torch.testing.assert_close(lp, _masked_lp(want_lp, labels), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ent, want_ent, rtol=1e-6, atol=1e-6)
+    want_lp, want_ent = log_probs_and_entropy_from_logits(
+        x, labels, temperature=temp, ignore_index=IGNORE
+    )
+    # A world of one is the single-process operation itself: bitwise the same.
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    full_lp, full_ent = log_probs_and_entropy_from_logits(x, _safe_labels(labels), temperature=temp)
+    torch.testing.assert_close(lp, _masked_lp(full_lp, labels), rtol=1e-6, atol=1e-6)
+    live = labels != IGNORE
+    assert torch.equal(ent[live], full_ent[live]) and (ent[~live] == 0).all()
     assert lp.dtype == torch.float32 and lp[0, 0] == 0
     assert torch.equal(x, before)
 
@@ -513,7 +516,7 @@ def test_bad_input():
     w = torch.randn(13, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"weight_shard must have shape \(V/tp, H\)"):
         vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w[:, :3], labels)
-    with pytest.raises(ValueError, match=r"bias_shard must have shape \(13,\)"):
+    with pytest.raises(ValueError, match=r"bias_shard must have shape \(V,\) = \(13,\)"):
         vp.vocab_parallel_log_probs_and_entropy_from_hidden(
             h, w, labels, bias_shard=torch.zeros(12, dtype=torch.float64)
         )

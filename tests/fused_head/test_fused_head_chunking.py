@@ -7,14 +7,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlmath.fused_head import log_probs_and_entropy_from_hidden
-from rlmath.fused_head._tiles import spans
-from rlmath.fused_head.chunking import (
+from rlmath.engine.policy import (
     DEFAULT_BLOCK_ELEMENTS,
     DEFAULT_ROWS,
     auto_tile_sizes,
     elementwise_rows,
+    spans,
 )
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from tests.fused_head.fused_head_reference import make, make_labels
 
 
@@ -65,7 +65,7 @@ def test_elementwise_rows():
 
 @pytest.mark.parametrize("sub", [1, 3, 1000])
 def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub):
-    import rlmath.fused_head._function as fn
+    import rlmath.engine.torch_backend.head_blocks as fn
 
     def run():
         hidden = make((23, 6), torch.float32, requires_grad=True)

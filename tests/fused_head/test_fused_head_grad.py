@@ -44,7 +44,7 @@ def test_gradcheck(subset, tiles):
 def test_gradcheck_with_one_row_elementwise_slices(monkeypatch):
     # Every block reduced and differentiated one row at a time (the CPU path slices
     # blocks for the elementwise passes; 1-row slices put a boundary between all rows).
-    import rlmath.fused_head._function as fn
+    import rlmath.engine.torch_backend.head_blocks as fn
 
     monkeypatch.setattr(fn, "elementwise_rows", lambda rows, width, device=None: 1)
     N, H, V = 6, 3, 10
@@ -290,9 +290,9 @@ def test_half_precision_backward_matmuls(monkeypatch):
     # The accelerator path (half-precision backward matmuls, fp32 accumulation),
     # forced on the CPU: gradients within bf16 rounding of the fp64 reference
     # (one rounding of the block gradient and one of each block's product).
-    import rlmath.fused_head._function as fn
+    import rlmath.engine.policy as policy
 
-    monkeypatch.setattr(fn, "_half_matmuls_pay", lambda device: True)
+    monkeypatch.setattr(policy, "half_matmuls_pay", lambda device: True)
     N, H, V = 37, 16, 300
     hidden = make((N, H), torch.bfloat16, requires_grad=True)
     weight = make((V, H), torch.bfloat16, seed=1, requires_grad=True)

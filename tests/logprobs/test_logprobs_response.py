@@ -218,8 +218,11 @@ def test_response_bad_input():
         log_probs_from_logits_response(ids, logits[:, :-1], 2)
     with pytest.raises(TypeError, match="input_ids"):
         log_probs_from_logits_response(ids.float(), logits, 2)
-    with pytest.raises(ValueError, match="logits_rmpad"):
-        log_probs_from_logits_response_rmpad(ids, mask, logits[mask][:-1], 2)
+    for rows in (logits[mask][:-1], torch.cat([logits[mask], logits[mask][:1]])):
+        with pytest.raises(ValueError, match="logits_rmpad"):
+            log_probs_from_logits_response_rmpad(ids, mask, rows, 2, validate=True)
+        # Without validate (no host read) a mismatch poisons every result.
+        assert log_probs_from_logits_response_rmpad(ids, mask, rows, 2).isnan().all()
     with pytest.raises(ValueError, match="attention_mask"):
         log_probs_from_logits_response_rmpad(ids, mask[:, :-1], logits[mask], 2)
     with pytest.raises(ValueError, match="indices"):

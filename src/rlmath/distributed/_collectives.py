@@ -12,20 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ProcessGroup = dist.ProcessGroup
+from rlmath.engine.groups import ProcessGroup, is_distributed
+from rlmath.engine.groups import group_rank as rank
+from rlmath.engine.groups import group_size as world_size
 
-
-def is_distributed(group: ProcessGroup | None = None) -> bool:
-    """True when collectives over ``group`` involve more than this process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def world_size(group: ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank(group: ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+__all__ = ["ProcessGroup", "all_reduce", "global_sum", "is_distributed", "rank", "world_size"]
 
 
 def all_reduce(x: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None) -> torch.Tensor:

@@ -31,6 +31,11 @@ the logits needs no collective; the fused head all-reduces the gradient of
 Every rank must make the same calls in the same order (each call runs 2-3
 collectives over ``group``).
 
+These functions and the single-process ones of :mod:`rlmath.logprobs` and
+:mod:`rlmath.fused_head` are the same operations of :mod:`rlmath.engine`
+(one autograd function each, given this rank's :class:`~rlmath.engine.VocabShard`),
+so they share every kernel, backend (``backend=``) and chunking rule.
+
 Never modifies an input (verl's tensor-parallel entropy subtracts from and adds
 back to the caller's logits in place in its backward, which breaks a later
 backward through them; verl's engine clones the whole logits to cope).
@@ -42,21 +47,11 @@ import math
 
 import torch
 
-from rlmath._validation import check_same_shape
+from rlmath._validation import check_labels, check_logits, check_optional_int
 from rlmath.distributed._collectives import ProcessGroup
-from rlmath.distributed.vocab_parallel_head import VocabParallelHeadFn, head_tile_sizes
-from rlmath.distributed.vocab_parallel_layout import positive, shard_spec, validate_layout
-from rlmath.distributed.vocab_parallel_logits import (
-    VocabParallelKLFn,
-    VocabParallelLogProbsEntropyFn,
-    compute_dtype,
-)
-from rlmath.distributed.vocab_parallel_response import (
-    vocab_parallel_log_probs_from_logits_response_rmpad,
-    vocab_parallel_sum_pi_squared,
-)
-from rlmath.logprobs._inputs import check_logits, flatten_labels, normalize_temperature
-from rlmath.logprobs.chunking import resolve_chunk_size
+from rlmath.distributed.vocab_parallel_layout import validate_layout
+from rlmath.engine import VocabShard, api
+from rlmath.logprobs.response import check_ids_and_mask, check_packed_logits
 
 __all__ = [
     "vocab_parallel_entropy",
@@ -71,6 +66,33 @@ __all__ = [
 Temp = float | torch.Tensor
 
 
+def _shard(
+    x: torch.Tensor,
+    width: int,
+    labels: torch.Tensor | None,
+    *,
+    vocab_start_index: object,
+    vocab_size: object,
+    ignore_index: object,
+    group: ProcessGroup | None,
+    validate: bool,
+    batch: tuple[int, ...],
+    device_of: str,
+) -> VocabShard:
+    """This rank's shard from the keyword arguments; with ``validate``, the cross-rank check."""
+    ig = check_optional_int("ignore_index", ignore_index)
+    shard = api.vocab_shard(
+        width, vocab_start_index=vocab_start_index, vocab_size=vocab_size, ignore_index=ig,
+        group=group,
+    )  # fmt: skip
+    if validate:
+        lab2d = None
+        if labels is not None:
+            lab2d, _ = check_labels("labels", labels, batch, x.device, device_of=device_of)
+        validate_layout(shard, width, math.prod(batch), lab2d, ig, x.device, group)
+    return shard
+
+
 def _log_probs_entropy(
     logits_shard: torch.Tensor,
     labels: torch.Tensor | None,
@@ -81,35 +103,21 @@ def _log_probs_entropy(
     vocab_size: int | None,
     group: ProcessGroup | None,
     chunk_size: int | None,
+    backend: str,
     validate: bool,
     want_entropy: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    logits = check_logits("logits_shard", logits_shard)
-    batch = tuple(logits.shape[:-1])
-    width, rows = logits.shape[-1], math.prod(batch)
-    shard = shard_spec(
-        width,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        ignore_index=ignore_index,
-        group=group,
-    )
-    lab2d, out_shape = (
-        flatten_labels(labels, logits, validate=False) if labels is not None else (None, ())
-    )
-    temp = normalize_temperature(
-        temperature, batch, compute_dtype(logits), logits.device, validate=validate
-    )
-    if validate:
-        validate_layout(shard, width, rows, lab2d, logits.device, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows, device=logits.device)
-    logp, ent = VocabParallelLogProbsEntropyFn.apply(
-        logits, lab2d, temp, want_entropy, chunk, shard, group
-    )
-    return (
-        logp.view(out_shape) if lab2d is not None else None,
-        ent.view(batch) if want_entropy else None,
-    )
+    x = check_logits("logits_shard", logits_shard)
+    shard = _shard(
+        x, x.shape[-1], labels, vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+        ignore_index=ignore_index, group=group, validate=validate,
+        batch=tuple(x.shape[:-1]), device_of="logits_shard",
+    )  # fmt: skip
+    return api.log_probs_entropy(  # type: ignore[no-any-return]
+        x, labels, temperature=temperature, want_entropy=want_entropy,
+        ignore_index=ignore_index, chunk_size=chunk_size, backend=backend, validate=validate,
+        shard=shard, logits_name="logits_shard",
+    )  # fmt: skip
 
 
 def vocab_parallel_log_probs_from_logits(
@@ -122,6 +130,7 @@ def vocab_parallel_log_probs_from_logits(
     vocab_size: int | None = None,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """Log-probability of each label under ``softmax(logits / temperature)`` over the full vocabulary.
@@ -150,6 +159,7 @@ def vocab_parallel_log_probs_from_logits(
         group: tensor-parallel process group (``None``: the world; a single
             process when torch.distributed is not initialized).
         chunk_size: rows per chunk (``None``: from ``V/tp``); speed and memory only.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (as in one process).
         validate: check the shard layout and labels across ranks (collective +
             host sync), and that a tensor temperature is positive.
 
@@ -158,17 +168,10 @@ def vocab_parallel_log_probs_from_logits(
         differentiable w.r.t. ``logits_shard``.
     """
     logp, _ = _log_probs_entropy(
-        logits_shard,
-        labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        group=group,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=False,
-    )
+        logits_shard, labels, temperature=temperature, ignore_index=ignore_index,
+        vocab_start_index=vocab_start_index, vocab_size=vocab_size, group=group,
+        chunk_size=chunk_size, backend=backend, validate=validate, want_entropy=False,
+    )  # fmt: skip
     assert logp is not None
     return logp
 
@@ -181,6 +184,7 @@ def vocab_parallel_entropy(
     vocab_size: int | None = None,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` over the full vocabulary, per row.
@@ -192,24 +196,17 @@ def vocab_parallel_entropy(
 
     Args:
         logits_shard: ``(..., V/tp)`` this rank's columns, any floating dtype. Not modified.
-        temperature, vocab_start_index, vocab_size, group, chunk_size, validate:
+        temperature, vocab_start_index, vocab_size, group, chunk_size, backend, validate:
             as in :func:`vocab_parallel_log_probs_from_logits`.
 
     Returns:
         ``logits_shard.shape[:-1]``, fp32 (fp64 for fp64 logits), identical on every rank.
     """
     _, ent = _log_probs_entropy(
-        logits_shard,
-        None,
-        temperature=temperature,
-        ignore_index=None,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        group=group,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=True,
-    )
+        logits_shard, None, temperature=temperature, ignore_index=None,
+        vocab_start_index=vocab_start_index, vocab_size=vocab_size, group=group,
+        chunk_size=chunk_size, backend=backend, validate=validate, want_entropy=True,
+    )  # fmt: skip
     assert ent is not None
     return ent
 
@@ -224,6 +221,7 @@ def vocab_parallel_log_probs_and_entropy(
     vocab_size: int | None = None,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Label log-probs and entropy in one pass over the local logits (and one backward pass).
@@ -232,21 +230,15 @@ def vocab_parallel_log_probs_and_entropy(
 
     Returns:
         ``(log_probs, entropy)`` of shapes ``labels.shape`` and
-        ``logits_shard.shape[:-1]``, fp32 (fp64 for fp64 logits). The entropy
-        of a row does not depend on whether its label is ignored.
+        ``logits_shard.shape[:-1]``, fp32 (fp64 for fp64 logits). A row whose
+        labels are all ``ignore_index`` gets entropy 0 too (it is not computed),
+        as in :func:`rlmath.logprobs.log_probs_and_entropy_from_logits`.
     """
     logp, ent = _log_probs_entropy(
-        logits_shard,
-        labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        group=group,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=True,
-    )
+        logits_shard, labels, temperature=temperature, ignore_index=ignore_index,
+        vocab_start_index=vocab_start_index, vocab_size=vocab_size, group=group,
+        chunk_size=chunk_size, backend=backend, validate=validate, want_entropy=True,
+    )  # fmt: skip
     assert logp is not None and ent is not None
     return logp, ent
 
@@ -260,6 +252,7 @@ def vocab_parallel_kl_from_logits(
     vocab_size: int | None = None,
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """Exact ``KL(π ‖ π_ref)`` over the full vocabulary, per row.
@@ -273,37 +266,23 @@ def vocab_parallel_kl_from_logits(
     Args:
         logits_shard: ``(..., V/tp)`` this rank's columns of the policy logits. Not modified.
         ref_logits_shard: the reference logits' columns, same shape (dtype may differ).
-        temperature, vocab_start_index, vocab_size, group, chunk_size, validate:
+        temperature, vocab_start_index, vocab_size, group, chunk_size, backend, validate:
             as in :func:`vocab_parallel_log_probs_from_logits`.
 
     Returns:
         ``logits_shard.shape[:-1]``, fp32 (fp64 if an input is fp64), ≥ 0,
         identical on every rank; differentiable w.r.t. both inputs.
     """
-    logits = check_logits("logits_shard", logits_shard)
-    ref = check_logits("ref_logits_shard", ref_logits_shard)
-    check_same_shape("ref_logits_shard", ref, "logits_shard", logits)
-    if ref.device != logits.device:
-        raise ValueError(
-            f"ref_logits_shard is on {ref.device} but logits_shard is on {logits.device}"
-        )
-    batch = tuple(logits.shape[:-1])
-    width, rows = logits.shape[-1], math.prod(batch)
-    shard = shard_spec(
-        width,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        ignore_index=None,
-        group=group,
-    )
-    temp = normalize_temperature(
-        temperature, batch, compute_dtype(logits, ref), logits.device, validate=validate
-    )
-    if validate:
-        validate_layout(shard, width, rows, None, logits.device, group)
-    chunk = resolve_chunk_size(chunk_size, width, rows, device=logits.device)
-    kl = VocabParallelKLFn.apply(logits, ref, temp, chunk, shard, group)
-    return kl.view(batch)
+    x = check_logits("logits_shard", logits_shard)
+    shard = _shard(
+        x, x.shape[-1], None, vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+        ignore_index=None, group=group, validate=validate, batch=tuple(x.shape[:-1]),
+        device_of="logits_shard",
+    )  # fmt: skip
+    return api.kl(  # type: ignore[no-any-return]
+        x, ref_logits_shard, temperature=temperature, chunk_size=chunk_size, backend=backend,
+        validate=validate, shard=shard, names=("logits_shard", "ref_logits_shard"),
+    )  # fmt: skip
 
 
 def vocab_parallel_log_probs_and_entropy_from_hidden(
@@ -321,6 +300,7 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
     group: ProcessGroup | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs and entropy of ``hidden @ W.T (+ b)`` with ``W`` split over the vocabulary.
@@ -343,7 +323,7 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
         weight_shard: ``(V/tp, H)`` this rank's rows of the head, dtype of ``hidden``.
         labels: ``hidden.shape[:-1]`` or ``hidden.shape[:-1] + (K,)`` global token ids.
         bias_shard: ``(V/tp,)`` or ``None``, dtype of ``hidden``.
-        temperature, ignore_index, vocab_start_index, vocab_size, group, validate:
+        temperature, ignore_index, vocab_start_index, vocab_size, group, backend, validate:
             as in :func:`vocab_parallel_log_probs_from_logits` (the local
             vocabulary is the rows of ``weight_shard``).
         return_entropy: also compute the entropy (skipped otherwise: ``None``).
@@ -354,10 +334,12 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
             ``gather_from_sequence_parallel_region`` (sequence parallelism) or
             ``copy_to_tensor_model_parallel_region``; summing twice would scale
             the gradient by the group size.
-        chunk_size: rows (tokens) per chunk (``None``: up to 512).
-        vocab_chunk_size: local vocabulary columns per tile (``None``: a block
-            of about 2M entries). Chunk sizes change speed and memory only
-            (results agree to rounding).
+        chunk_size: rows (tokens) per chunk (``None``: as in one process, 2048 on
+            a CPU and 4096 on an accelerator, fewer for short inputs).
+        vocab_chunk_size: local vocabulary columns per tile (``None``: blocks as
+            in one process, :func:`rlmath.engine.policy.auto_tile_sizes` of the
+            local vocabulary). Chunk sizes change speed and memory only (results
+            agree to rounding).
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``hidden.shape[:-1]``
@@ -365,55 +347,117 @@ def vocab_parallel_log_probs_and_entropy_from_hidden(
     """
     x = check_logits("hidden", hidden)
     wt = check_logits("weight_shard", weight_shard)
-    if wt.dim() != 2 or wt.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight_shard must have shape (V/tp, H) with H = hidden.shape[-1] = {x.shape[-1]}, "
-            f"got {tuple(wt.shape)}"
-        )
-    tensors = [("weight_shard", wt)]
-    if bias_shard is not None:
-        bias_shard = check_logits("bias_shard", bias_shard)
-        if tuple(bias_shard.shape) != (wt.shape[0],):
-            raise ValueError(
-                f"bias_shard must have shape ({wt.shape[0]},) (the rows of weight_shard), "
-                f"got {tuple(bias_shard.shape)}"
-            )
-        tensors.append(("bias_shard", bias_shard))
-    for name, other in tensors:
-        if other.dtype != x.dtype:
-            raise TypeError(f"{name} must have the dtype of hidden ({x.dtype}), got {other.dtype}")
-        if other.device != x.device:
-            raise ValueError(f"{name} is on {other.device} but hidden is on {x.device}")
-    batch = tuple(x.shape[:-1])
-    width, rows = wt.shape[0], math.prod(batch)
-    shard = shard_spec(
-        width,
-        vocab_start_index=vocab_start_index,
-        vocab_size=vocab_size,
-        ignore_index=ignore_index,
-        group=group,
+    if wt.dim() != 2:
+        raise ValueError(f"weight_shard must have shape (V/tp, H), got {tuple(wt.shape)}")
+    shard = _shard(
+        x, wt.shape[0], labels, vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+        ignore_index=ignore_index, group=group, validate=validate, batch=tuple(x.shape[:-1]),
+        device_of="hidden",
+    )  # fmt: skip
+    return api.fused_head(  # type: ignore[no-any-return]
+        x, wt, labels, bias=bias_shard, temperature=temperature,
+        want_entropy=bool(return_entropy), ignore_index=ignore_index, chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate, allow_k=True,
+        shard=shard, reduce_grad_hidden=reduce_grad_hidden,
+        names=("hidden", "weight_shard", "bias_shard"),
+    )  # fmt: skip
+
+
+def vocab_parallel_log_probs_from_logits_response_rmpad(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    vocab_start_index: int | None = None,
+    vocab_size: int | None = None,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
+    """Response log-probs from packed, vocabulary-sharded logits, shifting within each sequence.
+
+    Equals :func:`rlmath.logprobs.log_probs_from_logits_response_rmpad` on the
+    packed logits concatenated over the ranks (the same computation on this
+    rank's columns). The response token at column ``s`` of sequence ``b`` is
+    scored by the logits of the previous valid token *of the same sequence*
+    (verl's version rolls the packed ids globally, so the last token of one
+    sequence is scored against the first of the next). No data-dependent
+    shapes and no host sync.
+
+    Args:
+        input_ids: ``(B, S)`` integer token ids (padded), the same on every rank.
+        attention_mask: ``(B, S)`` bool or 0/1, 1 = valid token (any layout).
+        logits_rmpad: ``(nnz, V/tp)`` (or ``(1, nnz, V/tp)``) this rank's columns
+            of the packed logits, one row per valid token in row-major order.
+        response_length: ``R``: the response is the last ``R`` columns, ``1 ≤ R ≤ S``.
+        temperature: float > 0 or a tensor broadcastable to ``(B, S)``, taken at
+            the predicting position.
+        vocab_start_index, vocab_size, group, chunk_size, backend: as in
+            :func:`vocab_parallel_log_probs_from_logits`.
+        validate: also check that ``nnz`` equals the number of valid tokens and
+            the shard layout across ranks (host syncs and a collective).
+
+    Returns:
+        ``(B, R)`` fp32 log-probs (fp64 for fp64 logits), 0 where the token is
+        padding or has no earlier valid token in its sequence; differentiable
+        w.r.t. ``logits_rmpad``.
+    """
+    ids, mask = check_ids_and_mask(input_ids, attention_mask)
+    R = api.check_response_length(response_length, ids.shape[1], allow_full=True)
+    x = check_packed_logits(logits_rmpad)
+    shard = _shard(
+        x, x.shape[-1], None, vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+        ignore_index=None, group=group, validate=validate, batch=tuple(x.shape[:-1]),
+        device_of="logits_rmpad",
+    )  # fmt: skip
+    return api.packed_response_log_probs(
+        ids, api.packed_rows_from_mask(mask), x, R, temperature=temperature,
+        chunk_size=chunk_size, backend=backend, validate=validate, shard=shard,
+    )  # fmt: skip
+
+
+def vocab_parallel_sum_pi_squared(
+    logits_shard: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    vocab_start_index: int | None = None,
+    vocab_size: int | None = None,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
+    """``Σ_v π_v²`` of ``π = softmax(logits / T)`` over the full sharded vocabulary, per row.
+
+    Equals :func:`rlmath.logprobs.sum_pi_squared_from_logits` on the
+    concatenated logits: each rank sums ``exp(2(z - m_k))`` over its columns
+    and two collectives combine the shards. Not differentiable (a statistic
+    for advantages, like verl's); the input is never modified.
+
+    Args:
+        logits_shard: ``(..., V/tp)`` this rank's columns, any floating dtype.
+        temperature, vocab_start_index, vocab_size, group, chunk_size, backend, validate:
+            as in :func:`vocab_parallel_entropy`.
+
+    Returns:
+        ``logits_shard.shape[:-1]``, fp32 (fp64 for fp64 logits), in ``(0, 1]``,
+        identical on every rank.
+    """
+    x = check_logits("logits_shard", logits_shard)
+    shard = _shard(
+        x, x.shape[-1], None, vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+        ignore_index=None, group=group, validate=validate, batch=tuple(x.shape[:-1]),
+        device_of="logits_shard",
+    )  # fmt: skip
+    return api.sum_pi_squared(
+        x,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        shard=shard,
+        logits_name="logits_shard",
     )
-    # flatten_labels only needs the batch shape: hand it a (..., 1) stand-in for the logits.
-    lab2d, out_shape = flatten_labels(labels, x[..., :1], validate=False)
-    temp = normalize_temperature(temperature, batch, compute_dtype(x), x.device, validate=validate)
-    if validate:
-        validate_layout(shard, width, rows, lab2d, x.device, group)
-    tiles = head_tile_sizes(
-        rows,
-        width,
-        positive("chunk_size", chunk_size),
-        positive("vocab_chunk_size", vocab_chunk_size),
-    )
-    logp, ent = VocabParallelHeadFn.apply(
-        x.reshape(rows, x.shape[-1]),
-        wt,
-        bias_shard,
-        lab2d,
-        temp,
-        return_entropy,
-        tiles,
-        shard,
-        group,
-        reduce_grad_hidden,
-    )
-    return logp.view(out_shape), ent.view(batch) if return_entropy else None

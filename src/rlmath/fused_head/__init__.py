@@ -2,7 +2,7 @@
 
 :func:`log_probs_and_entropy_from_hidden` equals ``hidden @ weight.T (+ bias)``
 followed by :func:`rlmath.log_probs_and_entropy_from_logits`, computed block by
-block with the logprobs engine's chunk primitives and recomputed in backward,
+block by :mod:`rlmath.engine` and recomputed in backward,
 so the ``(N, V)`` logits and their gradient never exist. See ``docs/fused_head.md``.
 """
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlmath._validation import check_optional_int, check_positive_int_or_none, check_temperature
+from rlmath.engine.backends import resolve_backend
 from rlmath.fused_head.from_hidden import log_probs_and_entropy_from_hidden
 
 __all__ = ["FusedLMHeadLogProbs"]
@@ -24,6 +26,7 @@ class FusedLMHeadLogProbs(nn.Module):
         temperature: default temperature (float > 0) for :meth:`forward`.
         ignore_index: label value of positions to skip (log-prob and entropy 0).
         chunk_size: tokens per block, ``None`` for automatic.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
 
     def __init__(
@@ -31,20 +34,20 @@ class FusedLMHeadLogProbs(nn.Module):
         head: nn.Linear,
         *,
         temperature: float = 1.0,
-        ignore_index: int = -100,
+        ignore_index: int | None = -100,
         chunk_size: int | None = None,
+        backend: str = "auto",
     ):
         super().__init__()
         if not isinstance(head, nn.Linear):
             raise TypeError(f"head must be an nn.Linear, got {type(head).__name__}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        _, value = check_temperature(temperature, (), torch.device("cpu"), validate=False)
         self._head = (head,)  # a tuple keeps nn.Module from registering it
-        self.temperature = float(temperature)
-        self.ignore_index = ignore_index
-        self.chunk_size = chunk_size
+        self.temperature = value
+        self.ignore_index = check_optional_int("ignore_index", ignore_index)
+        self.chunk_size = check_positive_int_or_none("chunk_size", chunk_size)
+        resolve_backend(backend, head.weight)
+        self.backend = backend
 
     @property
     def head(self) -> nn.Linear:
@@ -82,6 +85,7 @@ class FusedLMHeadLogProbs(nn.Module):
             return_entropy=return_entropy,
             ignore_index=self.ignore_index,
             chunk_size=self.chunk_size,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:

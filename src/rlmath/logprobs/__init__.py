@@ -1,9 +1,11 @@
-"""Log-probabilities, entropies and the full KL over the vocabulary, in bounded memory.
+"""Log-probabilities, entropies, the full KL and ``Σ π²`` over the vocabulary, in bounded memory.
 
-Every function here chunks over tokens with a custom autograd function: the
-logits are upcast to fp32 one chunk at a time, only an fp32 log-sum-exp (and
-entropy) per row is saved, and backward recomputes each chunk and writes its
-gradient directly into the gradient buffer. See ``docs/logprobs.md``.
+Every function here is a thin face of :mod:`rlmath.engine`: it chunks over
+tokens (the logits are upcast to fp32 one chunk at a time, only an fp32
+log-sum-exp and entropy per row is saved, and backward recomputes each chunk
+and writes its gradient directly into the gradient buffer), takes
+``backend=`` to choose the implementation, and accepts DTensors. See
+``docs/logprobs.md``.
 """
 
 from rlmath.logprobs.entropy import entropy_from_logits
@@ -18,6 +20,7 @@ from rlmath.logprobs.response import (
     log_probs_from_logits_response,
     log_probs_from_logits_response_rmpad,
 )
+from rlmath.logprobs.sum_pi_squared import sum_pi_squared_from_logits
 
 __all__ = [
     "entropy_from_logits",
@@ -28,4 +31,5 @@ __all__ = [
     "log_probs_from_logits_response",
     "log_probs_from_logits_response_rmpad",
     "logprobs_from_logits",
+    "sum_pi_squared_from_logits",
 ]

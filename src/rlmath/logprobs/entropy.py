@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmath.logprobs.log_probs import _log_probs_entropy
+from rlmath.engine import api
 
 __all__ = ["entropy_from_logits"]
 
@@ -14,6 +14,7 @@ def entropy_from_logits(
     *,
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """Shannon entropy ``H = -Σ_v p_v log p_v`` of ``p = softmax(logits / temperature)``.
@@ -25,23 +26,20 @@ def entropy_from_logits(
     and two numbers per row; backward recomputes each chunk.
 
     Args:
-        logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides).
+        logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides),
+            or a DTensor (see :func:`rlmath.logprobs.log_probs_from_logits`).
         temperature: float > 0 or a tensor broadcastable to ``logits.shape[:-1]``;
             the result equals the call on ``logits / temperature``.
         chunk_size: rows per chunk (``None``: chosen from V).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check a tensor temperature is positive (a host sync).
 
     Returns:
         ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits), differentiable
         w.r.t. ``logits``.
     """
-    _, ent = _log_probs_entropy(
-        logits,
-        None,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=True,
-    )
-    assert ent is not None
+    _, ent = api.log_probs_entropy(
+        logits, None, temperature=temperature, want_entropy=True, ignore_index=None,
+        chunk_size=chunk_size, backend=backend, validate=validate,
+    )  # fmt: skip
     return ent

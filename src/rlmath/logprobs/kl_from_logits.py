@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from typing import cast
-
 import torch
 
-from rlmath._validation import check_same_shape
-from rlmath.logprobs._inputs import check_logits, compute_dtype, normalize_temperature
-from rlmath.logprobs.chunking import resolve_chunk_size
-from rlmath.logprobs.dispatch import get_kernel
+from rlmath.engine import api
 
 __all__ = ["kl_from_logits"]
 
@@ -21,6 +15,7 @@ def kl_from_logits(
     *,
     temperature: float | torch.Tensor = 1.0,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """``KL(π ‖ π_ref) = Σ_v π_v (log π_v - log π_ref,v)`` per row, over the whole vocabulary.
@@ -35,10 +30,14 @@ def kl_from_logits(
     ``+inf``.
 
     Args:
-        logits: ``(..., V)`` policy logits, any floating dtype and strides.
-        ref_logits: ``(..., V)`` reference logits, same shape (dtype may differ).
+        logits: ``(..., V)`` policy logits, any floating dtype and strides, or a
+            DTensor (see :func:`log_probs_from_logits`).
+        ref_logits: ``(..., V)`` reference logits, same shape (dtype may differ);
+            a DTensor with the placements of ``logits``, or a plain tensor of
+            the global values.
         temperature: float > 0 or tensor broadcastable to ``logits.shape[:-1]``.
         chunk_size: rows per chunk (``None``: chosen from V).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check a tensor temperature is positive (a host sync).
 
     Returns:
@@ -46,18 +45,7 @@ def kl_from_logits(
         differentiable w.r.t. ``logits`` (``p·(log p - log q - KL)/T``) and,
         when it requires grad, ``ref_logits`` (``(q - p)/T``).
     """
-    logits = check_logits("logits", logits)
-    ref_logits = check_logits("ref_logits", ref_logits)
-    check_same_shape("ref_logits", ref_logits, "logits", logits)
-    if ref_logits.device != logits.device:
-        raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}")
-    batch = tuple(logits.shape[:-1])
-    temp = normalize_temperature(
-        temperature, batch, compute_dtype(logits, ref_logits), logits.device, validate=validate
-    )
-    chunk = resolve_chunk_size(
-        chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]), device=logits.device
-    )
-    kernel = get_kernel("kl", logits)
-    kl = cast(torch.Tensor, kernel(logits, ref_logits, temp, chunk))
-    return kl.view(batch)
+    return api.kl(  # type: ignore[no-any-return]
+        logits, ref_logits, temperature=temperature, chunk_size=chunk_size, backend=backend,
+        validate=validate,
+    )  # fmt: skip

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from typing import cast
-
 import torch
 
-from rlmath.logprobs._inputs import (
-    check_logits,
-    compute_dtype,
-    flatten_labels,
-    normalize_temperature,
-)
-from rlmath.logprobs.chunking import resolve_chunk_size
-from rlmath.logprobs.dispatch import get_kernel
+from rlmath.engine import api
 
 __all__ = [
     "log_probs_and_entropy_from_logits",
@@ -23,42 +13,14 @@ __all__ = [
 ]
 
 
-def _log_probs_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor | None,
-    *,
-    temperature: float | torch.Tensor,
-    chunk_size: int | None,
-    validate: bool,
-    want_entropy: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    logits = check_logits("logits", logits)
-    batch = tuple(logits.shape[:-1])
-    lab2d, out_shape = (
-        flatten_labels(labels, logits, validate=validate) if labels is not None else (None, ())
-    )
-    temp = normalize_temperature(
-        temperature, batch, compute_dtype(logits), logits.device, validate=validate
-    )
-    chunk = resolve_chunk_size(
-        chunk_size, logits.shape[-1], math.prod(logits.shape[:-1]), device=logits.device
-    )
-    kernel = get_kernel("log_probs_entropy", logits)
-    logp, ent = cast(
-        tuple[torch.Tensor, torch.Tensor], kernel(logits, lab2d, temp, want_entropy, chunk, None)
-    )
-    return (
-        logp.view(out_shape) if lab2d is not None else None,
-        ent.view(batch) if want_entropy else None,
-    )
-
-
 def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
+    ignore_index: int | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """Log-probability of each label under ``softmax(logits / temperature)``.
@@ -72,33 +34,38 @@ def log_probs_from_logits(
     into the gradient buffer. Nothing is modified in place.
 
     Args:
-        logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides).
+        logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides),
+            or a DTensor: sharded over the vocabulary (``Shard(-1)``) it runs
+            vocabulary-parallel over that mesh dimension's group; replicated or
+            sharded over batch dims it runs on each rank's block. The result is
+            then a DTensor (see ``docs/logprobs.md``).
         labels: ``(...)`` integer tensor with one label per row, or ``(..., K)``
-            for K candidate labels per row; values in ``[0, V)``.
+            for K candidate labels per row; values in ``[0, V)`` or ``ignore_index``.
         temperature: float > 0, or a tensor broadcastable to ``logits.shape[:-1]``
             (e.g. one temperature per sequence). The result equals the call on
             ``logits / temperature`` with temperature 1 (the division is done in
             fp32). A tensor temperature receives no gradient.
-        chunk_size: rows per chunk; ``None`` picks one from ``V`` and the number of rows
-            (:func:`rlmath.logprobs.chunking.auto_chunk_size`). Changes speed and
-            memory only, never the result.
-        validate: check that every label lies in ``[0, V)`` (and that a tensor
-            temperature is positive) with a clear ``ValueError``; off by default
-            because it reads tensor data (a host sync).
+        ignore_index: label value of positions to skip (HF uses -100): they get
+            log-prob 0 and no gradient; a row whose labels are all ignored is
+            never read (NaN logits or a zero temperature there are harmless).
+            ``None``: every label is a token id.
+        chunk_size: rows per chunk; ``None`` picks one from ``V``, the number of rows
+            and the device (:func:`rlmath.engine.policy.auto_chunk_size`). Changes
+            speed and memory only, never the result.
+        backend: ``"auto"`` (the best available for the input), ``"torch"`` (pure
+            PyTorch, every device) or ``"triton"`` (CUDA kernels, when installed).
+        validate: check that every label lies in ``[0, V)`` or is ``ignore_index``
+            (and that a tensor temperature is positive) with a clear ``ValueError``;
+            off by default because it reads tensor data (a host sync).
 
     Returns:
         Log-probabilities of shape ``labels.shape``, fp32 (fp64 for fp64 logits).
-        Differentiable w.r.t. ``logits``.
+        Differentiable w.r.t. ``logits`` (first order).
     """
-    logp, _ = _log_probs_entropy(
-        logits,
-        labels,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=False,
-    )
-    assert logp is not None
+    logp, _ = api.log_probs_entropy(
+        logits, labels, temperature=temperature, want_entropy=False, ignore_index=ignore_index,
+        chunk_size=chunk_size, backend=backend, validate=validate,
+    )  # fmt: skip
     return logp
 
 
@@ -108,7 +75,9 @@ def logprobs_from_logits(
     inplace_backward: bool = True,
     *,
     temperature: float | torch.Tensor = 1.0,
+    ignore_index: int | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
     """verl's spelling of :func:`log_probs_from_logits`, for migration.
@@ -121,15 +90,17 @@ def logprobs_from_logits(
         logits: ``(..., V)`` float tensor.
         labels: ``(...)`` or ``(..., K)`` integer tensor.
         inplace_backward: ignored.
-        temperature, chunk_size, validate: as in :func:`log_probs_from_logits`.
+        temperature, ignore_index, chunk_size, backend, validate: as in
+            :func:`log_probs_from_logits`.
 
     Returns:
         fp32 (fp64 for fp64 logits) log-probabilities of shape ``labels.shape``.
     """
     del inplace_backward
     return log_probs_from_logits(
-        logits, labels, temperature=temperature, chunk_size=chunk_size, validate=validate
-    )
+        logits, labels, temperature=temperature, ignore_index=ignore_index,
+        chunk_size=chunk_size, backend=backend, validate=validate,
+    )  # fmt: skip
 
 
 def log_probs_and_entropy_from_logits(
@@ -137,7 +108,9 @@ def log_probs_and_entropy_from_logits(
     labels: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
+    ignore_index: int | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Label log-probabilities and the entropy of each row, in one pass over the logits.
@@ -145,24 +118,22 @@ def log_probs_and_entropy_from_logits(
     Same as ``(log_probs_from_logits(...), entropy_from_logits(...))`` with the
     same arguments, at the cost of one chunked pass in forward and one in
     backward; both outputs are differentiable and their gradients are summed
-    in a single backward pass.
+    in a single backward pass. A row whose labels are all ``ignore_index`` has
+    entropy 0 as well (it is not computed at all).
 
     Args:
-        logits: ``(..., V)`` float tensor (any floating dtype and strides).
-        labels: ``(...)`` or ``(..., K)`` integer tensor, values in ``[0, V)``.
-        temperature, chunk_size, validate: as in :func:`log_probs_from_logits`.
+        logits: ``(..., V)`` float tensor (any floating dtype and strides) or a
+            DTensor (as in :func:`log_probs_from_logits`).
+        labels: ``(...)`` or ``(..., K)`` integer tensor, values in ``[0, V)``
+            or ``ignore_index``.
+        temperature, ignore_index, chunk_size, backend, validate: as in
+            :func:`log_probs_from_logits`.
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``logits.shape[:-1]``,
         fp32 (fp64 for fp64 logits).
     """
-    logp, ent = _log_probs_entropy(
-        logits,
-        labels,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        validate=validate,
-        want_entropy=True,
-    )
-    assert logp is not None and ent is not None
-    return logp, ent
+    return api.log_probs_entropy(  # type: ignore[no-any-return]
+        logits, labels, temperature=temperature, want_entropy=True, ignore_index=ignore_index,
+        chunk_size=chunk_size, backend=backend, validate=validate,
+    )  # fmt: skip

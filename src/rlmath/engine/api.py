@@ -1,0 +1,544 @@
+"""The entry points the public vocabulary functions call: validate, place, run, reshape.
+
+Each entry checks its arguments (shapes, dtypes, devices and Python values;
+tensor data only with ``validate=True``), turns DTensor inputs into a local
+call (:mod:`rlmath.engine.dtensor`), resolves ``backend``, packs the
+non-tensor arguments into an :class:`~rlmath.engine.config.OpConfig` and
+applies the operation's autograd function. A vocabulary shard
+(:class:`~rlmath.engine.config.VocabShard`) makes the same call
+vocabulary-parallel; without one the whole vocabulary is in this process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlmath._validation import (
+    check_index_tensor,
+    check_label_values,
+    check_labels,
+    check_logits,
+    check_optional_int,
+    check_positive_int_or_none,
+    check_same_shape,
+    check_temperature,
+    check_tensor,
+)
+from rlmath.engine import dtensor as dt
+from rlmath.engine import ops
+from rlmath.engine.backends import resolve_backend
+from rlmath.engine.config import SINGLE_PROCESS, OpConfig, VocabShard
+from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
+from rlmath.engine.groups import ProcessGroup, group_name, group_rank
+from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
+
+__all__ = [
+    "check_response_length",
+    "dense_response_log_probs",
+    "fused_head",
+    "kl",
+    "log_probs_entropy",
+    "packed_response_log_probs",
+    "packed_rows_from_indices",
+    "packed_rows_from_mask",
+    "sum_pi_squared",
+    "vocab_shard",
+]
+
+Temp = float | torch.Tensor
+
+
+def vocab_shard(
+    width: int,
+    *,
+    vocab_start_index: object,
+    vocab_size: object,
+    ignore_index: int | None,
+    group: ProcessGroup | None,
+) -> VocabShard:
+    """The :class:`VocabShard` of this rank from the vocabulary-parallel keyword arguments.
+
+    ``vocab_start_index`` defaults to ``rank · width`` (equal shards in rank
+    order); ``vocab_size`` (the real tokens of the whole vocabulary) marks the
+    local columns past it as padding. Shape-only checks.
+    """
+    start = check_optional_int("vocab_start_index", vocab_start_index)
+    total = check_optional_int("vocab_size", vocab_size)
+    if start is not None and start < 0:
+        raise ValueError(f"vocab_start_index must be >= 0, got {start}")
+    if total is not None and total < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {total}")
+    if ignore_index is not None and ignore_index >= 0 and (total is None or ignore_index < total):
+        raise ValueError(
+            "ignore_index must not be a token id (negative, or >= vocab_size when "
+            f"vocab_size is given), got {ignore_index}"
+        )
+    if start is None:
+        start = group_rank(group) * width
+    real = width if total is None else max(0, min(width, total - start))
+    return VocabShard(start=start, real=real, group=group_name(group))
+
+
+def _config(backend: object, tensor: torch.Tensor, **fields: Any) -> OpConfig:
+    return OpConfig(backend=resolve_backend(backend, tensor), **fields)
+
+
+def _trailing(ndim_t: int, ndim_batch: int) -> tuple[int, ...]:
+    """The batch dims that a tensor of ``ndim_t`` dims broadcast to the batch follows."""
+    return tuple(range(ndim_batch - ndim_t, ndim_batch))
+
+
+# ------------------------------------------------------------------ logits
+
+
+def log_probs_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    temperature: Temp,
+    want_entropy: bool,
+    ignore_index: object,
+    chunk_size: object,
+    backend: object,
+    validate: bool,
+    shard: VocabShard | None = None,
+    logits_name: str = "logits",
+) -> tuple[Any, Any]:
+    """Label log-probs (``labels.shape``) and/or entropy (``logits.shape[:-1]``) of ``logits / T``.
+
+    ``labels`` is ``logits.shape[:-1]`` or ``logits.shape[:-1] + (K,)`` integer
+    token ids (``None``: entropy only). With ``shard``, ``logits`` holds that
+    shard's columns and the result is over the whole vocabulary of its group.
+    """
+    if dt.any_dtensor(logits, labels, temperature):
+        return _log_probs_entropy_dtensor(
+            logits, labels, temperature=temperature, want_entropy=want_entropy,
+            ignore_index=ignore_index, chunk_size=chunk_size, backend=backend,
+            validate=validate, shard=shard, logits_name=logits_name,
+        )  # fmt: skip
+    x = check_logits(logits_name, logits)
+    batch = tuple(x.shape[:-1])
+    ig = check_optional_int("ignore_index", ignore_index)
+    lab2d = out_shape = None
+    if labels is not None:
+        lab2d, out_shape = check_labels("labels", labels, batch, x.device, device_of=logits_name)
+        if validate and shard is None:
+            check_label_values("labels", lab2d, x.shape[-1], ig)
+    temp, scalar = check_temperature(
+        temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
+        device_of=logits_name,
+    )  # fmt: skip
+    cfg = _config(
+        backend, x, temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        shard=shard if shard is not None else SINGLE_PROCESS,
+    )  # fmt: skip
+    logp, ent, _ = LogProbsEntropyFunction.apply(x, lab2d, temp, None, cfg)
+    return (
+        logp.view(out_shape) if out_shape is not None else None,
+        ent.view(batch) if want_entropy else None,
+    )
+
+
+def _log_probs_entropy_dtensor(
+    logits: Any, labels: Any, *, temperature: Any, shard: VocabShard | None, logits_name: str,
+    **kwargs: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    if not dt.is_dtensor(logits):
+        raise TypeError(
+            f"labels or temperature is a DTensor but {logits_name} is not: pass DTensors "
+            f"together, with {logits_name} a DTensor"
+        )
+    if shard is not None:
+        raise TypeError(
+            f"{logits_name} is a DTensor: call the single-process function, which runs "
+            "vocabulary-parallel for Shard(-1) logits (the vocab_parallel_* functions take "
+            "each rank's local shard as a plain tensor)"
+        )
+    nb = logits.dim() - 1
+    batch_dims = tuple(range(nb))
+    lay = dt.layout_of(logits, logits_name, vocab_dim=nb, batch_dims=batch_dims)
+    lab_dims = batch_dims + ((-1,) if labels is not None and labels.dim() == nb + 1 else ())
+    local_labels = dt.localize(labels, lay, "labels", dims=lab_dims) if labels is not None else None
+    local_temp = temperature
+    if isinstance(temperature, torch.Tensor):
+        local_temp = dt.localize(
+            temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb)
+        )
+    logp, ent = log_probs_entropy(
+        logits.to_local(), local_labels, temperature=local_temp, shard=lay.shard,
+        logits_name=logits_name, **kwargs,
+    )  # fmt: skip
+    batch = tuple(logits.shape[:-1])
+    return (
+        dt.wrap(logp, lay, tuple(labels.shape), lab_dims) if logp is not None else None,
+        dt.wrap(ent, lay, batch, batch_dims) if ent is not None else None,
+    )
+
+
+def kl(
+    logits: Any,
+    ref_logits: Any,
+    *,
+    temperature: Temp,
+    chunk_size: object,
+    backend: object,
+    validate: bool,
+    shard: VocabShard | None = None,
+    names: tuple[str, str] = ("logits", "ref_logits"),
+) -> Any:
+    """Exact ``KL(softmax(logits/T) ‖ softmax(ref_logits/T))`` per row, ``logits.shape[:-1]``."""
+    if dt.any_dtensor(logits, ref_logits, temperature):
+        if not dt.is_dtensor(logits) or shard is not None:
+            raise TypeError(
+                f"a DTensor call of the KL needs {names[0]} to be a DTensor, on the "
+                "single-process function"
+            )
+        nb = logits.dim() - 1
+        batch_dims = tuple(range(nb))
+        lay = dt.layout_of(logits, names[0], vocab_dim=nb, batch_dims=batch_dims)
+        if dt.is_dtensor(ref_logits):
+            same = dt.layout_of(ref_logits, names[1], vocab_dim=nb, batch_dims=batch_dims)
+            if ref_logits.device_mesh != logits.device_mesh or same.shard_dims != lay.shard_dims:
+                raise TypeError(
+                    f"{names[1]} must be a DTensor with the placements of {names[0]} "
+                    f"({logits.placements}), got {ref_logits.placements}"
+                )
+            ref = ref_logits.to_local()
+        else:
+            ref = dt.localize(ref_logits, lay, names[1], dims=batch_dims)
+            if lay.shard is not None:
+                width = logits.to_local().shape[-1]
+                ref = ref.narrow(-1, lay.shard.start, width)
+        temp: Any = temperature
+        if isinstance(temperature, torch.Tensor):
+            temp = dt.localize(
+                temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb)
+            )
+        out = kl(
+            logits.to_local(), ref, temperature=temp, chunk_size=chunk_size, backend=backend,
+            validate=validate, shard=lay.shard, names=names,
+        )  # fmt: skip
+        return dt.wrap(out, lay, tuple(logits.shape[:-1]), batch_dims)
+    x = check_logits(names[0], logits)
+    r = check_logits(names[1], ref_logits)
+    check_same_shape(names[1], r, names[0], x)
+    if r.device != x.device:
+        raise ValueError(f"{names[1]} is on {r.device} but {names[0]} is on {x.device}")
+    batch = tuple(x.shape[:-1])
+    temp_t, scalar = check_temperature(
+        temperature, batch, x.device, validate=validate, shape_name=f"{names[0]}.shape[:-1]",
+        device_of=names[0],
+    )  # fmt: skip
+    cfg = _config(
+        backend, x, temperature=scalar,
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        shard=shard if shard is not None else SINGLE_PROCESS,
+    )  # fmt: skip
+    out, _, _ = KLFunction.apply(x, r, temp_t, cfg)
+    return out.view(batch)
+
+
+def sum_pi_squared(
+    logits: torch.Tensor,
+    *,
+    temperature: Temp,
+    chunk_size: object,
+    backend: object,
+    validate: bool,
+    shard: VocabShard | None = None,
+    logits_name: str = "logits",
+) -> torch.Tensor:
+    """``Σ_v π_v²`` of ``π = softmax(logits / T)`` per row, ``logits.shape[:-1]``; no gradient."""
+    x = check_logits(logits_name, logits)
+    if dt.is_dtensor(x):
+        raise TypeError(f"{logits_name}: DTensor inputs are not supported here; pass to_local()")
+    batch = tuple(x.shape[:-1])
+    temp, scalar = check_temperature(
+        temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
+        device_of=logits_name,
+    )  # fmt: skip
+    cfg = _config(
+        backend, x, temperature=scalar,
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        shard=shard if shard is not None else SINGLE_PROCESS,
+    )  # fmt: skip
+    with torch.no_grad():
+        return ops.sum_pi_squared(x.detach(), temp, *cfg.op_args()).view(batch)
+
+
+# ------------------------------------------------------------------ responses
+
+
+def check_response_length(response_length: object, seqlen: int, *, allow_full: bool) -> int:
+    if isinstance(response_length, bool) or not isinstance(response_length, int):
+        raise TypeError(f"response_length must be an int, got {type(response_length).__name__}")
+    hi = seqlen if allow_full else seqlen - 1
+    if not 1 <= response_length <= hi:
+        raise ValueError(
+            f"response_length must be in [1, {hi}] for sequences of {seqlen} columns, "
+            f"got {response_length}"
+        )
+    return response_length
+
+
+def dense_response_log_probs(
+    input_ids: torch.Tensor,
+    logits: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: Temp,
+    chunk_size: object,
+    backend: object,
+) -> torch.Tensor:
+    """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``."""
+    ids = check_index_tensor("input_ids", input_ids)
+    x = check_logits("logits", logits)
+    if dt.any_dtensor(ids, x, temperature):
+        raise TypeError("DTensor inputs are not supported by the response functions")
+    if ids.dim() != 2 or x.dim() != 3 or tuple(x.shape[:2]) != tuple(ids.shape):
+        raise ValueError(
+            "logits must have shape (B, S, V) with (B, S) = input_ids.shape; got input_ids "
+            f"{tuple(ids.shape)} and logits {tuple(x.shape)}"
+        )
+    B, S = ids.shape
+    R = check_response_length(response_length, S, allow_full=False)
+    temp, scalar = check_temperature(
+        temperature, (B, S), x.device, validate=False, shape_name="input_ids.shape"
+    )
+    cfg = _config(
+        backend, x, temperature=scalar, narrow=(1, S - R - 1, R),
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+    )  # fmt: skip
+    labels = ids[:, -R:].reshape(-1, 1).long()
+    # The operator reads the response rows of the full logits in place: slicing them
+    # here would make autograd allocate a second full-size gradient in backward.
+    logp, _, _ = LogProbsEntropyFunction.apply(x, labels, temp, None, cfg)
+    return logp.view(B, R)
+
+
+def packed_response_log_probs(
+    ids: torch.Tensor,
+    row_of: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: Temp,
+    chunk_size: object,
+    backend: object,
+    validate: bool,
+    shard: VocabShard | None = None,
+) -> torch.Tensor:
+    """``(B, R)`` response log-probs from packed logits, shifting within each sequence.
+
+    ``ids``: ``(B, S)`` token ids on the dense grid; ``row_of``: ``(B, S)`` packed
+    row of each valid position, -1 elsewhere (:func:`~rlmath.engine.packed.packed_row_of`).
+    Only the ``B·R`` rows predicting response positions are read, through an
+    index of fixed length (no host read). If ``logits_rmpad`` does not have one
+    row per valid position, every result is NaN (``validate=True`` raises instead).
+    """
+    B, S = ids.shape
+    x = logits_rmpad
+    nnz = x.shape[0]
+    if validate:
+        n_valid = int((row_of >= 0).sum())
+        if n_valid != nnz:
+            raise ValueError(
+                f"logits_rmpad must have one row per valid token ({n_valid}), got {nnz}"
+            )
+    plan = response_rows(ids, row_of, response_length)
+    # A mask that does not match the packed rows cannot be told on the host without a
+    # sync: the rows are clamped into range and every result becomes NaN instead.
+    mismatch = row_of.amax() + 1 != nnz if row_of.numel() else None
+    rows = plan.rows.clamp_max(max(nnz - 1, 0))
+    temp, scalar = check_temperature(
+        temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape",
+        device_of="logits_rmpad",
+    )  # fmt: skip
+    if temp is not None:
+        # Each packed row's own (predicting) position; a spare last row collects padding.
+        dense = temp.expand(B, S).reshape(-1)
+        packed = torch.ones(nnz + 1, dtype=dense.dtype, device=x.device)
+        slot = torch.where(row_of >= 0, row_of, nnz).reshape(-1)
+        temp = packed.scatter(0, slot, dense)[:nnz]
+    cfg = _config(
+        backend, x, temperature=scalar, ignore_index=NO_LABEL,
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        shard=shard if shard is not None else SINGLE_PROCESS,
+    )  # fmt: skip
+    logp, _, _ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, cfg)
+    logp = logp.view(B, response_length)
+    return torch.where(mismatch, float("nan"), logp) if mismatch is not None else logp
+
+
+def packed_rows_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`~rlmath.engine.packed.packed_row_of` of a bool or 0/1 mask."""
+    return packed_row_of(attention_mask != 0)
+
+
+def packed_rows_from_indices(
+    indices: torch.Tensor, ids_rmpad: torch.Tensor, batch_size: int, seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids (B, S), row_of (B, S))`` on the dense grid from ``unpad_input``'s flat ``indices``."""
+    n = batch_size * seqlen
+    idx = indices.reshape(-1).long()
+    row_of = torch.full((n,), -1, dtype=torch.long, device=idx.device)
+    row_of = row_of.scatter(0, idx, torch.arange(idx.numel(), device=idx.device))
+    ids = torch.zeros(n, dtype=ids_rmpad.dtype, device=idx.device).scatter(0, idx, ids_rmpad)
+    return ids.view(batch_size, seqlen), row_of.view(batch_size, seqlen)
+
+
+# ------------------------------------------------------------------ fused head
+
+
+def _check_head(
+    hidden: object, weight: object, bias: object, names: tuple[str, str, str], min_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    hn, wn, bn = names
+    h = check_tensor(hn, hidden, floating=True)
+    if h.dim() < 1:
+        raise ValueError(f"{hn} must have shape (..., H), got a 0-d tensor")
+    w = check_tensor(wn, weight, floating=True)
+    if w.dim() != 2 or w.shape[0] < min_rows or w.shape[1] != h.shape[-1]:
+        rows = "V/tp" if min_rows == 0 else "V"
+        raise ValueError(
+            f"{wn} must have shape ({rows}, H) with {rows} >= {min_rows} and H = "
+            f"{hn}.shape[-1] = {h.shape[-1]}, got {tuple(w.shape)}"
+        )
+    if w.dtype != h.dtype:
+        raise TypeError(f"{wn} must have the dtype of {hn} ({h.dtype}), got {w.dtype}")
+    if w.device != h.device:
+        raise ValueError(f"{wn} is on {w.device} but {hn} is on {h.device}")
+    if bias is None:
+        return h, w, None
+    b = check_tensor(bn, bias, floating=True)
+    if tuple(b.shape) != (w.shape[0],):
+        raise ValueError(
+            f"{bn} must have shape (V,) = ({w.shape[0]},), the rows of {wn}, got {tuple(b.shape)}"
+        )
+    if b.dtype != w.dtype:
+        raise TypeError(f"{bn} must have the dtype of {wn} ({w.dtype}), got {b.dtype}")
+    if b.device != w.device:
+        raise ValueError(f"{bn} is on {b.device} but {wn} is on {w.device}")
+    return h, w, b
+
+
+def fused_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    temperature: Temp,
+    want_entropy: bool,
+    ignore_index: object,
+    chunk_size: object,
+    vocab_chunk_size: object,
+    backend: object,
+    validate: bool,
+    allow_k: bool = False,
+    shard: VocabShard | None = None,
+    reduce_grad_hidden: bool = True,
+    names: tuple[str, str, str] = ("hidden", "weight", "bias"),
+) -> tuple[Any, Any]:
+    """Label log-probs (``labels.shape``) and entropy (``hidden.shape[:-1]``) of the LM head."""
+    if dt.any_dtensor(hidden, weight, bias, labels, temperature):
+        return _fused_head_dtensor(
+            hidden, weight, labels, bias=bias, temperature=temperature,
+            want_entropy=want_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate,
+            allow_k=allow_k, shard=shard, reduce_grad_hidden=reduce_grad_hidden, names=names,
+        )  # fmt: skip
+    h, w, b = _check_head(hidden, weight, bias, names, 1 if shard is None else 0)
+    batch = tuple(h.shape[:-1])
+    ig = check_optional_int("ignore_index", ignore_index)
+    lab2d, out_shape = check_labels(
+        "labels", labels, batch, h.device, allow_k=allow_k, device_of=names[0],
+        batch_name=f"{names[0]}.shape[:-1]",
+    )  # fmt: skip
+    if validate and shard is None:
+        check_label_values("labels", lab2d, w.shape[0], ig)
+    temp, scalar = check_temperature(
+        temperature, batch, h.device, validate=validate, shape_name=f"{names[0]}.shape[:-1]",
+        device_of=names[0],
+    )  # fmt: skip
+    cfg = _config(
+        backend, h, temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        vocab_chunk_size=check_positive_int_or_none("vocab_chunk_size", vocab_chunk_size),
+        shard=shard if shard is not None else SINGLE_PROCESS,
+        reduce_grad_hidden=bool(reduce_grad_hidden),
+    )  # fmt: skip
+    logp, ent, _ = FusedHeadFunction.apply(h, w, b, lab2d, temp, cfg)
+    return logp.view(out_shape), ent.view(batch) if want_entropy else None
+
+
+def _fused_head_dtensor(
+    hidden: Any, weight: Any, labels: Any, *, bias: Any, temperature: Any,
+    shard: VocabShard | None, names: tuple[str, str, str], **kwargs: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    hn, wn, bn = names
+    if shard is not None:
+        raise TypeError(
+            "the vocab_parallel_* functions take each rank's local shard as a plain tensor; "
+            "for DTensors call log_probs_and_entropy_from_hidden"
+        )
+    if not dt.is_dtensor(hidden):
+        raise TypeError(
+            f"{wn} is a DTensor but {hn} is a plain tensor. If the head belongs to a model "
+            "sharded with FSDP2 (fully_shard), its parameters are sharded DTensors outside "
+            "the module's forward: call the fused head from inside a forward of a module "
+            "FSDP2 wraps (or use rlmath.fused_head.FusedLMHeadLogProbs registered as a "
+            f"submodule), so that they are gathered first. For tensor parallelism pass {hn} "
+            "as a DTensor (Replicate() over the vocabulary's mesh dim)."
+        )
+    nb = hidden.dim() - 1
+    batch_dims = tuple(range(nb))
+    lay = dt.layout_of(hidden, hn, vocab_dim=-1 % max(hidden.dim(), 1), batch_dims=batch_dims)
+    if lay.vocab_mesh_dim is not None:
+        raise TypeError(f"{hn}: the hidden dim cannot be sharded ({hidden.placements})")
+    wshard = None
+    w_local = weight
+    b_local = bias
+    if dt.is_dtensor(weight):
+        if weight.device_mesh != hidden.device_mesh:
+            raise TypeError(f"{wn} and {hn} are DTensors on different device meshes")
+        wl = dt.layout_of(weight, wn, vocab_dim=0, batch_dims=())
+        if wl.vocab_mesh_dim is not None:
+            if lay.shard_dims[wl.vocab_mesh_dim] is not None:
+                raise TypeError(
+                    f"{hn} is sharded over mesh dim {wl.vocab_mesh_dim}, over which {wn} "
+                    f"splits the vocabulary: {hn} must be Replicate() there"
+                )
+            wshard = wl.shard
+        w_local = weight.to_local()
+        if bias is not None:
+            b_local = bias.to_local() if dt.is_dtensor(bias) else _bias_block(bias, wl)
+    elif dt.is_dtensor(bias):
+        raise TypeError(f"{bn} is a DTensor but {wn} is not")
+    lab_dims = batch_dims + ((-1,) if labels.dim() == nb + 1 else ())
+    local_labels = dt.localize(labels, lay, "labels", dims=lab_dims)
+    temp = temperature
+    if isinstance(temperature, torch.Tensor):
+        temp = dt.localize(temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb))
+    logp, ent = fused_head(
+        hidden.to_local(), w_local, local_labels, bias=b_local, temperature=temp,
+        shard=wshard, names=names, **kwargs,
+    )  # fmt: skip
+    out_lay = dt.Layout(lay.mesh, lay.shard_dims, None, None)
+    return (
+        dt.wrap(logp, out_lay, tuple(labels.shape), lab_dims),
+        dt.wrap(ent, out_lay, tuple(hidden.shape[:-1]), batch_dims) if ent is not None else None,
+    )
+
+
+def _bias_block(bias: torch.Tensor, layout: dt.Layout) -> torch.Tensor:
+    """This rank's rows of a plain (global) bias for a vocabulary-sharded weight."""
+    if layout.shard is None or layout.vocab_mesh_dim is None:
+        return bias
+    mesh = layout.mesh
+    size = -(-bias.shape[0] // mesh.size(layout.vocab_mesh_dim))
+    start = min(layout.shard.start, bias.shape[0])
+    return bias.narrow(0, start, max(0, min(start + size, bias.shape[0]) - start))

@@ -1,0 +1,111 @@
+"""The non-tensor arguments of a vocabulary operation, in one frozen dataclass.
+
+The engine's autograd functions take their tensors positionally and
+everything else as one :class:`OpConfig`; the torch operators underneath take
+the same fields flattened (:meth:`OpConfig.op_args`), in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SINGLE_PROCESS", "OpConfig", "VocabShard"]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary columns one process holds, and the group that holds the rest.
+
+    Attributes:
+        start: global token id of local column 0.
+        real: how many local columns are real tokens; the columns after them
+            are padding, left out of the softmax and given a zero gradient.
+        group: name of the process group over which the vocabulary is split
+            (:func:`rlmath.engine.groups.group_name`); ``""`` is a world of one
+            process, the single-process case.
+    """
+
+    start: int = 0
+    real: int = -1
+    group: str = ""
+
+    def real_columns(self, width: int) -> int:
+        """Real local columns for a shard ``width`` columns wide (``real = -1``: all)."""
+        return width if self.real < 0 else self.real
+
+
+SINGLE_PROCESS = VocabShard()
+"""The whole vocabulary in this process."""
+
+
+@dataclass(frozen=True)
+class OpConfig:
+    """Everything but the tensors of one call of a vocabulary operation.
+
+    Attributes:
+        backend: the resolved backend name (``"torch"``, ...), never ``"auto"``.
+        temperature: the scalar temperature, used when no temperature tensor is given.
+        want_entropy: also compute the entropy.
+        ignore_index: label value of positions to skip (``None``: none).
+        chunk_size: rows per chunk (``None``: :mod:`rlmath.engine.policy` decides).
+        vocab_chunk_size: vocabulary entries per fused-head tile (``None``: the policy).
+        narrow: ``(dim, start, length)``: use the rows of
+            ``logits.narrow(dim, start, length)`` (a batch dim), or ``None``.
+        shard: the vocabulary columns this process holds.
+        reduce_grad_hidden: fused head only: sum the gradient of ``hidden`` over
+            the shard's group (else each rank keeps its own part).
+    """
+
+    backend: str = "torch"
+    temperature: float = 1.0
+    want_entropy: bool = False
+    ignore_index: int | None = None
+    chunk_size: int | None = None
+    vocab_chunk_size: int | None = None
+    narrow: tuple[int, int, int] | None = None
+    shard: VocabShard = SINGLE_PROCESS
+    reduce_grad_hidden: bool = True
+
+    def op_args(self) -> tuple[object, ...]:
+        """The fields in the order of the operators' trailing arguments (see ``ops.py``)."""
+        narrow = list(self.narrow) if self.narrow is not None else []
+        return (
+            self.backend,
+            float(self.temperature),
+            bool(self.want_entropy),
+            self.ignore_index,
+            self.chunk_size if self.chunk_size is not None else 0,
+            self.vocab_chunk_size if self.vocab_chunk_size is not None else 0,
+            narrow,
+            self.shard.start,
+            self.shard.real,
+            self.shard.group,
+            bool(self.reduce_grad_hidden),
+        )
+
+    @staticmethod
+    def from_op_args(
+        backend: str,
+        temperature: float,
+        want_entropy: bool,
+        ignore_index: int | None,
+        chunk_size: int,
+        vocab_chunk_size: int,
+        narrow: list[int],
+        shard_start: int,
+        shard_real: int,
+        group: str,
+        reduce_grad_hidden: bool,
+    ) -> OpConfig:
+        """The inverse of :meth:`op_args` (inside the operators)."""
+        return OpConfig(
+            backend=backend,
+            temperature=temperature,
+            want_entropy=want_entropy,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size or None,
+            vocab_chunk_size=vocab_chunk_size or None,
+            narrow=(narrow[0], narrow[1], narrow[2]) if narrow else None,
+            shard=VocabShard(shard_start, shard_real, group),
+            reduce_grad_hidden=reduce_grad_hidden,
+        )

@@ -1,0 +1,469 @@
+"""The bodies of the engine's operators: one implementation for one process or a vocabulary shard.
+
+Each operator runs the same steps for every backend: locate the labels in
+this process's vocabulary columns, apply ``ignore_index``, put the
+temperature on the rows, call the backend's pass, combine the per-row
+statistics over the vocabulary-parallel group (nothing to combine in a
+world of one), and finish the per-row results. Backward computes the
+per-row gradient coefficients once and hands them to the backend's pass.
+
+Ignored positions (every label of the row equal to ``ignore_index``) are
+*dead* rows: they return 0, receive an exactly zero gradient whatever their
+logits or hidden states hold, and their temperature is never read (it is
+replaced by 1, so a 0 or NaN there cannot reach any gradient).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmath.engine.backends import get_kernels
+from rlmath.engine.config import OpConfig
+from rlmath.engine.groups import ProcessGroup, resolve_group
+from rlmath.engine.policy import auto_tile_sizes
+from rlmath.engine.stats import (
+    combine_kl,
+    combine_pi_squared,
+    combine_shards,
+    grad_coefficients,
+)
+
+__all__ = [
+    "head_backward",
+    "head_forward",
+    "kl_backward",
+    "kl_forward",
+    "logits_backward",
+    "logits_forward",
+    "num_rows",
+    "pi_squared",
+]
+
+Temp = torch.Tensor | float | None
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def num_rows(logits: torch.Tensor, row_index: torch.Tensor | None, narrow: list[int]) -> int:
+    """Rows an operator on ``logits`` processes (all, a narrow of a batch dim, or indexed)."""
+    if row_index is not None:
+        return row_index.numel()
+    shape = list(logits.shape[:-1])
+    if narrow:
+        shape[narrow[0]] = narrow[2]
+    return math.prod(shape)
+
+
+class _Labels:
+    """Labels located in this process's columns, and which of them count.
+
+    ``local``: ``(M, K)`` column indices into the local vocabulary (0 where the
+    label is not held here or ignored). ``owned``: ``(M, K)`` bool, held here
+    and not ignored (``None``: every label, the single-process case without
+    ``ignore_index``). ``valid``: not ignored (``None``: all). ``live``: ``(M,)``
+    rows with at least one valid label (``None``: all).
+    """
+
+    def __init__(self, labels: torch.Tensor, cfg: OpConfig, real: int, width: int, single: bool):
+        ignore = cfg.ignore_index
+        self.valid = labels != ignore if ignore is not None else None
+        self.live = self.valid.any(-1) if self.valid is not None else None
+        if single and cfg.shard.start == 0 and real == width:
+            self.owned = self.valid
+            self.local = labels if self.valid is None else torch.where(self.valid, labels, 0)
+        else:
+            local = labels - cfg.shard.start
+            owned = (local >= 0) & (local < real)
+            if self.valid is not None:
+                owned &= self.valid
+            self.owned = owned
+            self.local = torch.where(owned, local, 0)
+
+    def owned_or_all(self) -> torch.Tensor:
+        return (
+            self.owned if self.owned is not None else torch.ones_like(self.local, dtype=torch.bool)
+        )
+
+
+def _row_temperature(
+    temperature: torch.Tensor | None,
+    scalar: float,
+    batch: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    narrow: list[int] | None = None,
+    row_index: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
+) -> Temp:
+    """The temperature of each processed row: ``None`` (1), a float, or an ``(M,)`` tensor.
+
+    A tensor broadcasts to ``batch`` (the rows of the logits or hidden states),
+    then the same rows as the logits are taken; dead rows get 1.
+    """
+    if temperature is None:
+        return None if scalar == 1.0 else scalar
+    t = temperature.to(dtype).expand(batch)
+    if narrow:
+        t = t.narrow(narrow[0], narrow[1], narrow[2])
+    t = t.reshape(-1)
+    if row_index is not None:
+        t = t[row_index]
+    if live is not None:
+        t = torch.where(live, t, 1.0)
+    return t
+
+
+def _inv(temperature: Temp) -> torch.Tensor | float | None:
+    if isinstance(temperature, torch.Tensor):
+        return temperature.reciprocal()
+    return None if temperature is None else 1.0 / temperature
+
+
+def _group(cfg: OpConfig) -> ProcessGroup | None:
+    return resolve_group(cfg.shard.group)
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------ logits
+
+
+def logits_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    cfg: OpConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp (M, K) or empty, entropy (M,) or empty, lse (M,))`` in the compute dtype."""
+    cdt, dev = compute_dtype(logits), logits.device
+    real = cfg.shard.real_columns(logits.shape[-1])
+    group = _group(cfg)
+    lab = (
+        _Labels(labels, cfg, real, logits.shape[-1], group is None) if labels is not None else None
+    )
+    live = lab.live if lab is not None else None
+    narrow = list(cfg.narrow) if cfg.narrow else None
+    temp = _row_temperature(
+        temperature,
+        cfg.temperature,
+        tuple(logits.shape[:-1]),
+        cdt,
+        narrow=narrow,
+        row_index=row_index,
+        live=live,
+    )
+    kernels = get_kernels(cfg.backend)
+    if row_index is not None and logits.shape[0] == 0:
+        # No packed rows at all: every selected row is dead.
+        M = row_index.numel()
+        m = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
+        s = torch.zeros(M, dtype=cdt, device=dev)
+        t = torch.zeros(M, dtype=cdt, device=dev) if cfg.want_entropy else None
+        z = torch.zeros(labels.shape, dtype=cdt, device=dev) if labels is not None else None
+    else:
+        m, s, t, z = kernels.logits_stats(
+            logits,
+            row_index,
+            cfg.narrow,
+            lab.local if lab is not None else None,
+            temp,
+            cfg.want_entropy,
+            real,
+            cfg.chunk_size,
+            cdt,
+        )
+    big, log_s, ent, z_all = combine_shards(
+        m, s, t, z, lab.owned if lab is not None else None, group
+    )
+    lse = big + log_s
+    if lab is not None:
+        assert z_all is not None
+        logp = (z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1)
+        if lab.valid is not None:
+            logp = torch.where(lab.valid, logp, 0)
+    else:
+        logp = _empty(cdt, dev)
+    if ent is None:
+        ent = _empty(cdt, dev)
+    elif live is not None:
+        ent = torch.where(live, ent, 0)
+    return logp, ent, lse
+
+
+def logits_backward(
+    grad_logp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    cfg: OpConfig,
+) -> torch.Tensor:
+    """The gradient of the logits (their shape and dtype) for the given upstream gradients."""
+    cdt = lse.dtype
+    real = cfg.shard.real_columns(logits.shape[-1])
+    group = _group(cfg)
+    lab = (
+        _Labels(labels, cfg, real, logits.shape[-1], group is None) if labels is not None else None
+    )
+    live = lab.live if lab is not None else None
+    narrow = list(cfg.narrow) if cfg.narrow else None
+    temp = _row_temperature(
+        temperature,
+        cfg.temperature,
+        tuple(logits.shape[:-1]),
+        cdt,
+        narrow=narrow,
+        row_index=row_index,
+        live=live,
+    )
+    if lab is None:
+        grad_logp = None
+    if not cfg.want_entropy:
+        grad_ent = None
+    if grad_logp is not None and lab is not None and lab.valid is not None:
+        grad_logp = torch.where(lab.valid, grad_logp, 0)  # an ignored label is a constant 0
+    if grad_ent is not None and live is not None:
+        grad_ent = torch.where(live, grad_ent, 0)
+    if grad_logp is None and grad_ent is None:
+        return torch.zeros_like(logits)
+    alpha, beta, w = grad_coefficients(
+        grad_logp, grad_ent, ent if grad_ent is not None else None, _inv(temp)
+    )
+    owned = lab.owned if lab is not None else None
+    if w is not None and owned is not None:
+        # The one-hot part of ∂logp/∂z lives on the owner's columns only.
+        w = torch.where(owned, w, 0)
+    logp_only = beta is None and lab is not None and lab.local.shape[-1] == 1
+    label_sign = None
+    if logp_only and owned is not None:
+        label_sign = -owned.to(cdt)
+    if row_index is not None and logits.shape[0] == 0:
+        return torch.zeros_like(logits)
+    kernels = get_kernels(cfg.backend)
+    return kernels.logits_grad(  # type: ignore[no-any-return]
+        logits,
+        row_index,
+        cfg.narrow,
+        lse=lse,
+        alpha=alpha,
+        beta=beta,
+        w=w,
+        labels=lab.local if lab is not None else None,
+        temperature=temp,
+        dead=~live if live is not None else None,
+        logp_only=logp_only,
+        label_sign=label_sign,
+        real=real,
+        chunk=cfg.chunk_size,
+    )
+
+
+# ------------------------------------------------------------------ KL
+
+
+def kl_forward(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    cfg: OpConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(KL (N,), lse_z (N,), lse_r (N,))`` in the compute dtype."""
+    cdt = compute_dtype(logits, ref_logits)
+    real = cfg.shard.real_columns(logits.shape[-1])
+    temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
+    kernels = get_kernels(cfg.backend)
+    kl, lse_z, lse_r = kernels.kl_stats(logits, ref_logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
+    return combine_kl(kl, lse_z, lse_r, _group(cfg))
+
+
+def kl_backward(
+    grad_kl: torch.Tensor,
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    lse_z: torch.Tensor,
+    lse_r: torch.Tensor,
+    kl: torch.Tensor,
+    need_z: bool,
+    need_r: bool,
+    cfg: OpConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of both logits (an empty tensor for one not needed)."""
+    cdt = kl.dtype
+    real = cfg.shard.real_columns(logits.shape[-1])
+    temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
+    inv = _inv(temp)
+    g = grad_kl if inv is None else grad_kl * inv
+    kernels = get_kernels(cfg.backend)
+    gz, gr = kernels.kl_grad(  # type: ignore[misc]
+        logits,
+        ref_logits,
+        lse_z=lse_z,
+        lse_r=lse_r,
+        kl=kl,
+        grad=g,
+        temperature=temp,
+        need_z=need_z,
+        need_r=need_r,
+        real=real,
+        chunk=cfg.chunk_size,
+    )
+    return (
+        gz if gz is not None else _empty(logits.dtype, logits.device),
+        gr if gr is not None else _empty(ref_logits.dtype, ref_logits.device),
+    )
+
+
+# ------------------------------------------------------------------ fused head
+
+
+def _head_setup(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor | None,
+    cfg: OpConfig,
+) -> tuple[torch.dtype, int, ProcessGroup | None, _Labels, Temp, tuple[int, int]]:
+    cdt = compute_dtype(hidden, weight)
+    real = cfg.shard.real_columns(weight.shape[0])
+    group = _group(cfg)
+    lab = _Labels(labels, cfg, real, weight.shape[0], group is None)
+    batch = tuple(hidden.shape[:-1])
+    temp = _row_temperature(temperature, cfg.temperature, batch, cdt, live=lab.live)
+    tiles = auto_tile_sizes(
+        math.prod(batch),
+        real,
+        chunk_size=cfg.chunk_size,
+        vocab_chunk_size=cfg.vocab_chunk_size,
+        device=hidden.device,
+    )
+    return cdt, real, group, lab, temp, tiles
+
+
+def head_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: torch.Tensor | None,
+    cfg: OpConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp (N, K), entropy (N,) or empty, lse (N,))`` of the head's logits."""
+    cdt, real, group, lab, temp, (rows, tile) = _head_setup(
+        hidden, weight, labels, temperature, cfg
+    )
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    kernels = get_kernels(cfg.backend)
+    m, s, t, z = kernels.head_stats(  # type: ignore[misc]
+        h2,
+        weight,
+        bias,
+        lab.local,
+        lab.owned_or_all(),
+        lab.live,
+        temp,
+        cfg.want_entropy,
+        real=real,
+        rows=rows,
+        tile=tile,
+        dtype=cdt,
+    )
+    big, log_s, ent, z_all = combine_shards(m, s, t, z, lab.owned, group)
+    assert z_all is not None
+    logp = (z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1)
+    if lab.valid is not None:
+        logp = torch.where(lab.valid, logp, 0)
+    if ent is None:
+        ent = _empty(cdt, hidden.device)
+    elif lab.live is not None:
+        ent = torch.where(lab.live, ent, 0)
+    return logp, ent, big + log_s
+
+
+def head_backward(
+    grad_logp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: torch.Tensor | None,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    need: tuple[bool, bool, bool],
+    cfg: OpConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_hidden, grad_weight, grad_bias)``; an empty tensor for each one not needed."""
+    cdt, real, group, lab, temp, (rows, tile) = _head_setup(
+        hidden, weight, labels, temperature, cfg
+    )
+    dev = hidden.device
+    if not cfg.want_entropy:
+        grad_ent = None
+    if grad_logp is not None and lab.valid is not None:
+        grad_logp = torch.where(lab.valid, grad_logp, 0)
+    if grad_ent is not None and lab.live is not None:
+        grad_ent = torch.where(lab.live, grad_ent, 0)
+    if grad_logp is None and grad_ent is None:
+        grad_logp = torch.zeros(lab.local.shape, dtype=cdt, device=dev)
+    alpha, beta, w = grad_coefficients(
+        grad_logp, grad_ent, ent if grad_ent is not None else None, _inv(temp)
+    )
+    if w is not None and lab.owned is not None:
+        w = torch.where(lab.owned, w, 0)
+    reduce = group is not None and cfg.reduce_grad_hidden
+    kernels = get_kernels(cfg.backend)
+    gh, gw, gb = kernels.head_grad(  # type: ignore[misc]
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        lab.local,
+        lab.owned_or_all(),
+        lab.live,
+        lse=lse,
+        alpha=alpha,
+        beta=beta,
+        w=w,
+        temperature=temp,
+        need=need,
+        grad_hidden_in_compute_dtype=reduce,
+        real=real,
+        rows=rows,
+        tile=tile,
+    )
+    if gh is not None:
+        if reduce:
+            # Σ over shards of g_k @ W_k, summed before rounding; every rank gets the same.
+            torch.distributed.all_reduce(gh, group=group)
+        gh = gh.to(hidden.dtype).view(hidden.shape)
+    return (
+        gh if gh is not None else _empty(hidden.dtype, dev),
+        gw if gw is not None else _empty(hidden.dtype, dev),
+        gb if gb is not None else _empty(hidden.dtype, dev),
+    )
+
+
+# ------------------------------------------------------------------ Σ π²
+
+
+def pi_squared(
+    logits: torch.Tensor, temperature: torch.Tensor | None, cfg: OpConfig
+) -> torch.Tensor:
+    """``Σ_v π_v²`` per row ``(N,)`` in the compute dtype (no gradient)."""
+    cdt = compute_dtype(logits)
+    real = cfg.shard.real_columns(logits.shape[-1])
+    temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
+    kernels = get_kernels(cfg.backend)
+    m, s, u = kernels.pi_squared_stats(logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
+    return combine_pi_squared(m, s, u, _group(cfg))

@@ -1,0 +1,342 @@
+"""The engine's torch operators (``torch.ops.rlmath.*``).
+
+Each pass over the vocabulary is one operator registered with
+``torch.library``: opaque to ``torch.compile`` and ``torch.export`` (which see
+a single node with a shape-only fake implementation, so no graph break and no
+recompilation per chunk count or thread count), and given a ``vmap`` rule
+(one call per batch element) so that ``torch.func`` transforms compose with
+it. Autograd is not registered here: the autograd functions of
+:mod:`rlmath.engine.functions` call a forward and a backward operator.
+
+Every operator takes its tensors first and the fields of
+:class:`rlmath.engine.config.OpConfig` last, flattened by
+:meth:`~rlmath.engine.config.OpConfig.op_args`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.library import custom_op, register_vmap
+
+from rlmath.engine import impl
+from rlmath.engine.config import OpConfig
+
+__all__ = [
+    "head_backward",
+    "head_forward",
+    "kl_backward",
+    "kl_forward",
+    "logits_backward",
+    "logits_forward",
+    "sum_pi_squared",
+]
+
+
+def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``vmap`` rule that calls ``op`` once per batch element and stacks the results."""
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for i in range(info.batch_size):
+            call = [
+                a.select(d, i) if d is not None and isinstance(a, torch.Tensor) else a
+                for a, d in zip(args, in_dims, strict=True)
+            ]
+            results.append(op(*call))
+        if isinstance(results[0], torch.Tensor):
+            return torch.stack(results), 0
+        outs = tuple(torch.stack(list(parts)) for parts in zip(*results, strict=True))
+        return outs, (0,) * len(outs)
+
+    return rule
+
+
+def _cdt(*tensors: torch.Tensor) -> torch.dtype:
+    return impl.compute_dtype(*tensors)
+
+
+# ------------------------------------------------------------------ logits
+
+
+@custom_op("rlmath::logits_forward", mutates_args=())
+def logits_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Label log-probs ``(M, K)``, entropy ``(M,)`` and log-sum-exp ``(M,)`` of selected rows."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.logits_forward(logits, labels, temperature, row_index, cfg)
+
+
+@logits_forward.register_fake
+def _(logits, labels, temperature, row_index, backend, temperature_scalar, want_entropy,
+      ignore_index, chunk_size, vocab_chunk_size, narrow, shard_start, shard_real, group,
+      reduce_grad_hidden):  # fmt: skip
+    cdt, M = _cdt(logits), impl.num_rows(logits, row_index, narrow)
+    logp = logits.new_empty((M, labels.shape[-1]) if labels is not None else (0,), dtype=cdt)
+    ent = logits.new_empty((M,) if want_entropy else (0,), dtype=cdt)
+    return logp, ent, logits.new_empty((M,), dtype=cdt)
+
+
+@custom_op("rlmath::logits_backward", mutates_args=())
+def logits_backward(
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> torch.Tensor:
+    """The gradient of ``logits`` (its shape and dtype)."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.logits_backward(
+        grad_logp, grad_entropy, logits, labels, temperature, row_index, lse, entropy, cfg
+    )
+
+
+@logits_backward.register_fake
+def _(grad_logp, grad_entropy, logits, *args):
+    return torch.empty_like(logits)
+
+
+# ------------------------------------------------------------------ KL
+
+
+@custom_op("rlmath::kl_forward", mutates_args=())
+def kl_forward(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``KL (N,)``, ``lse_z (N,)``, ``lse_r (N,)`` over the (sharded) vocabulary."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.kl_forward(logits, ref_logits, temperature, cfg)
+
+
+@kl_forward.register_fake
+def _(logits, ref_logits, *args):
+    n = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    cdt = _cdt(logits, ref_logits)
+    return tuple(logits.new_empty((n,), dtype=cdt) for _ in range(3))
+
+
+@custom_op("rlmath::kl_backward", mutates_args=())
+def kl_backward(
+    grad_kl: torch.Tensor,
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    lse_z: torch.Tensor,
+    lse_r: torch.Tensor,
+    kl: torch.Tensor,
+    need_logits: bool,
+    need_ref_logits: bool,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``logits`` and ``ref_logits`` (empty where not needed)."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.kl_backward(
+        grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl,
+        need_logits, need_ref_logits, cfg,
+    )  # fmt: skip
+
+
+@kl_backward.register_fake
+def _(grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_logits, need_ref_logits,
+      *args):  # fmt: skip
+    gz = torch.empty_like(logits) if need_logits else logits.new_empty((0,))
+    gr = torch.empty_like(ref_logits) if need_ref_logits else ref_logits.new_empty((0,))
+    return gz, gr
+
+
+# ------------------------------------------------------------------ fused head
+
+
+@custom_op("rlmath::head_forward", mutates_args=())
+def head_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: torch.Tensor | None,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Label log-probs ``(N, K)``, entropy ``(N,)`` and log-sum-exp ``(N,)`` of the head."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.head_forward(hidden, weight, bias, labels, temperature, cfg)
+
+
+@head_forward.register_fake
+def _(hidden, weight, bias, labels, temperature, backend, temperature_scalar, want_entropy,
+      *args):  # fmt: skip
+    cdt = _cdt(hidden, weight)
+    n = labels.shape[0]
+    logp = hidden.new_empty((n, labels.shape[-1]), dtype=cdt)
+    ent = hidden.new_empty((n,) if want_entropy else (0,), dtype=cdt)
+    return logp, ent, hidden.new_empty((n,), dtype=cdt)
+
+
+@custom_op("rlmath::head_backward", mutates_args=())
+def head_backward(
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``hidden``, ``weight`` and ``bias`` (empty where not needed)."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.head_backward(
+        grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, entropy,
+        (need_hidden, need_weight, need_bias), cfg,
+    )  # fmt: skip
+
+
+@head_backward.register_fake
+def _(grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, entropy,
+      need_hidden, need_weight, need_bias, *args):  # fmt: skip
+    gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,))
+    gw = torch.empty_like(weight) if need_weight else hidden.new_empty((0,))
+    gb = torch.empty_like(bias) if need_bias and bias is not None else hidden.new_empty((0,))
+    return gh, gw, gb
+
+
+# ------------------------------------------------------------------ Σ π²
+
+
+@custom_op("rlmath::sum_pi_squared", mutates_args=())
+def sum_pi_squared(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    backend: str,
+    temperature_scalar: float,
+    want_entropy: bool,
+    ignore_index: int | None,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    narrow: list[int],
+    shard_start: int,
+    shard_real: int,
+    group: str,
+    reduce_grad_hidden: bool,
+) -> torch.Tensor:
+    """``Σ_v π_v²`` per row ``(N,)`` (no gradient)."""
+    cfg = OpConfig.from_op_args(
+        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
+        narrow, shard_start, shard_real, group, reduce_grad_hidden,
+    )  # fmt: skip
+    return impl.pi_squared(logits, temperature, cfg)
+
+
+@sum_pi_squared.register_fake
+def _(logits, *args):
+    n = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    return logits.new_empty((n,), dtype=_cdt(logits))
+
+
+for _op in (
+    logits_forward,
+    logits_backward,
+    kl_forward,
+    kl_backward,
+    head_forward,
+    head_backward,
+    sum_pi_squared,
+):
+    register_vmap(_op, _loop_vmap(_op))

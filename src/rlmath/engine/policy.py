@@ -1,0 +1,232 @@
+"""How the vocabulary engine cuts its work into chunks and blocks.
+
+Every choice here changes speed and memory only, never a result beyond
+rounding: a row is reduced the same way whichever chunk holds it, and the
+statistics of vocabulary tiles are merged exactly. The rules are evaluated
+inside the engine's operators (they read the intra-op thread count, which a
+compiler must not see), for single-process and vocabulary-parallel calls
+alike (a vocabulary shard is sized like a vocabulary of its width).
+
+Logits (:func:`auto_chunk_size`). Each chunk of rows costs a handful of
+full-chunk torch operations, each a pass over the chunk's scratch buffers
+with a fork/join of the intra-op threads.
+
+* CPU: the passes are fast only while the chunk's buffers stay in the cores'
+  L2 caches, so the default is a small chunk: about :data:`CPU_CHUNK_BYTES`
+  (1 MiB) of fp32 per buffer, but at least two rows per intra-op thread so
+  that every thread has whole rows to reduce. Measured on 2 cores (quiet
+  machine, fp32 ``[8192, 32000]``, forward of log-probs + entropy): 8 rows
+  per chunk 150 ms, 32 rows 205 ms, 256 rows 217 ms; for V = 151936 4 to 8
+  rows are fastest.
+* Other devices (CUDA): every op is a kernel launch, so fewer, larger chunks
+  win. The default splits the rows into about :data:`TARGET_CHUNKS` chunks,
+  never below :data:`MIN_CHUNK_BYTES` nor above :data:`MAX_CHUNK_BYTES` per
+  fp32 buffer.
+
+Fused LM head (:func:`auto_tile_sizes`). The head works on one
+``(rows, vocab_tile)`` block of logits at a time. Every block costs three
+matmuls with inner dimension ``H`` (the logits, and in backward
+``grad_hidden`` and ``grad_weight``), and ``g.T @ hidden_chunk`` has inner
+dimension ``rows``: with few rows it rereads the ``(vocab_tile, H)`` slice of
+the weight gradient for little arithmetic. Measured on 2 cores (fp32,
+H = 2048), blocks of (1024, 4096) ran the three matmuls at 330–360 GFLOP/s,
+(2048, 4096) and (4096, 2048) at 373–392; the head spends about 90 % of its
+time in matmuls, so the CPU default is :data:`DEFAULT_ROWS` rows and
+:data:`DEFAULT_BLOCK_ELEMENTS`-entry blocks, capped at 1/64 of the ``N·V``
+logits. On an accelerator the pure-torch head issues about fifteen kernel
+launches per block, and 4 M-entry blocks made the launches the cost (bf16
+[8192, 4096, 151936] on an H200: 5.9x the unfused path), so there blocks are
+:data:`ACCELERATOR_BLOCK_ELEMENTS` entries of :data:`ACCELERATOR_ROWS` rows,
+capped at 1/48 of the logits. The elementwise passes over a block run in
+L2-sized row slices on a CPU (:func:`elementwise_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "ACCELERATOR_BLOCK_ELEMENTS",
+    "ACCELERATOR_ROWS",
+    "CPU_CHUNK_BYTES",
+    "DEFAULT_BLOCK_ELEMENTS",
+    "DEFAULT_ROWS",
+    "MAX_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "TARGET_CHUNKS",
+    "auto_chunk_size",
+    "auto_tile_sizes",
+    "elementwise_rows",
+    "half_matmuls_pay",
+    "is_cpu",
+    "spans",
+]
+
+CPU_CHUNK_BYTES = 1024 * 1024
+"""fp32 ``(chunk, V)`` scratch buffer the CPU default aims at, in bytes (L2-resident)."""
+
+MIN_CHUNK_BYTES = 2 * 1024 * 1024
+"""Smallest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes."""
+
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+"""Largest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes."""
+
+TARGET_CHUNKS = 32
+"""Number of chunks the non-CPU default aims at between those bounds."""
+
+DEFAULT_ROWS = 2048
+"""Rows (tokens) per fused-head chunk on a CPU when the caller does not choose."""
+
+DEFAULT_BLOCK_ELEMENTS = 8 * 1024 * 1024
+"""Target entries of one fused-head ``(rows, vocab_tile)`` block on a CPU (32 MiB in fp32)."""
+
+ACCELERATOR_ROWS = 4096
+"""Rows per fused-head chunk on an accelerator (CUDA) when the caller does not choose."""
+
+ACCELERATOR_BLOCK_ELEMENTS = 32 * 1024 * 1024
+"""Target entries of one fused-head block on an accelerator (128 MiB in fp32)."""
+
+_ACCELERATOR_MAX_FRACTION = 48
+# Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
+# a block of at least _MIN_BLOCK entries keeps tiny inputs from tiling absurdly.
+_MAX_FRACTION = 64
+_MIN_BLOCK = 64 * 1024
+
+
+def is_cpu(device: torch.device | str | None) -> bool:
+    """Whether ``device`` (``None`` meaning the default) is a CPU: the size rules differ."""
+    return device is None or torch.device(device).type == "cpu"
+
+
+def half_matmuls_pay(device: torch.device) -> bool:
+    """Whether half-precision matmuls beat fp32 ones on ``device`` (every accelerator, not a CPU).
+
+    On an accelerator a half-precision matmul runs on tensor cores, an order of
+    magnitude faster than fp32 (measured on an H200: fp32 backward matmuls made
+    the bf16 head 8x slower than the unfused path). On a CPU fp32 matmuls are
+    as fast and keep the gradient unrounded.
+    """
+    return device.type != "cpu"
+
+
+def auto_chunk_size(
+    vocab_size: int, num_rows: int | None = None, *, device: torch.device | str | None = None
+) -> int:
+    """Rows per chunk for ``num_rows`` rows of ``vocab_size`` logits on ``device``.
+
+    CPU (``device`` ``None`` or a CPU device): the rows of a 1 MiB fp32 buffer
+    (8 for V = 32000, 1 for V = 151936), raised to two rows per intra-op
+    thread. Elsewhere: ``num_rows / 32``, kept between the row counts of a
+    2 MiB and a 64 MiB fp32 buffer (for V = 32000: 16 to 524 rows; for
+    V = 151936: 3 to 110). Either way never more than ``num_rows`` (when
+    given), then rounded down to a multiple of the intra-op thread count when
+    that leaves at least one row per thread. At least one row.
+
+    Args:
+        vocab_size: ``V``, the length of the last dim of the logits (of the shard).
+        num_rows: number of rows (tokens) to process, or ``None``.
+        device: where the logits live (``None``: CPU).
+
+    Returns:
+        Positive int.
+    """
+    row_bytes = 4 * max(1, vocab_size)
+    threads = max(1, torch.get_num_threads())
+    if is_cpu(device):
+        rows = max(CPU_CHUNK_BYTES // row_bytes, 2 * threads)
+    else:
+        lo = max(1, MIN_CHUNK_BYTES // row_bytes)
+        hi = max(1, MAX_CHUNK_BYTES // row_bytes)
+        rows = lo if num_rows is None else min(max(num_rows // TARGET_CHUNKS, lo), hi)
+    if num_rows is not None:
+        rows = min(rows, max(1, num_rows))
+    if rows >= threads:
+        rows -= rows % threads
+    return rows
+
+
+def auto_tile_sizes(
+    num_rows: int,
+    vocab_size: int,
+    *,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[int, int]:
+    """``(rows, vocab_tile)`` per fused-head block, each value given by the caller kept as is.
+
+    A block holds :data:`DEFAULT_BLOCK_ELEMENTS` entries on a CPU
+    (:data:`ACCELERATOR_BLOCK_ELEMENTS` elsewhere), or 1/64 (1/48) of the
+    ``N·V`` logits when that is smaller, never below 64k entries. ``rows``
+    defaults to :data:`DEFAULT_ROWS` (:data:`ACCELERATOR_ROWS`), fewer for
+    short inputs or small blocks (about the square root of the block, at
+    least 64), rounded to a multiple of the intra-op thread count;
+    ``vocab_tile`` fills the block.
+
+    Args:
+        num_rows: ``N``, the number of tokens.
+        vocab_size: ``V`` (the local vocabulary of a shard).
+        chunk_size: rows per chunk chosen by the caller, or ``None``.
+        vocab_chunk_size: vocabulary entries per tile chosen by the caller, or ``None``.
+        device: where the inputs live (``None``: CPU).
+
+    Returns:
+        Two positive ints.
+    """
+    n, v = max(1, num_rows), max(1, vocab_size)
+    cpu = is_cpu(device)
+    target, fraction = (
+        (DEFAULT_BLOCK_ELEMENTS, _MAX_FRACTION)
+        if cpu
+        else (ACCELERATOR_BLOCK_ELEMENTS, _ACCELERATOR_MAX_FRACTION)
+    )
+    block = max(_MIN_BLOCK, min(target, n * v // fraction))
+    if chunk_size is None:
+        # A small block is split about evenly between rows and vocabulary, so
+        # that neither matmul of the backward gets a short inner dimension.
+        rows = min(DEFAULT_ROWS if cpu else ACCELERATOR_ROWS, n, max(64, math.isqrt(block)))
+        threads = max(1, torch.get_num_threads())
+        if rows > threads:
+            rows -= rows % threads
+    else:
+        rows = chunk_size
+    tile = min(v, max(1, block // min(rows, n))) if vocab_chunk_size is None else vocab_chunk_size
+    return rows, tile
+
+
+def elementwise_rows(rows: int, width: int, device: torch.device | str | None = None) -> int:
+    """Rows per slice for the elementwise passes over a ``(rows, width)`` block of logits.
+
+    The matmuls want large blocks; the half-dozen elementwise passes over a
+    block (max, shift, exp, sums; in backward the gradient) are fast only
+    while their data stays in the L2 cache. So on a CPU each block is reduced
+    in the slices :func:`auto_chunk_size` picks for logits of width ``width``.
+    On an accelerator the whole block is one slice (every op is a kernel launch).
+
+    Returns:
+        A positive int, at most ``max(rows, 1)``.
+    """
+    if not is_cpu(device):
+        return max(1, rows)
+    return auto_chunk_size(width, rows)
+
+
+def spans(total: int, step: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``range(total)`` in the fewest pieces of at most ``step``.
+
+    The pieces differ in length by at most one (151936 by 4096 gives 38 pieces
+    of 3998 or 3999, not 37 of 4096 and a last one of 384, which would cost as
+    many passes as a full one for a tenth of the work).
+    """
+    if total <= 0:
+        return []
+    count = -(-total // step)
+    size, extra = divmod(total, count)
+    out, lo = [], 0
+    for i in range(count):
+        hi = lo + size + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out

@@ -1,0 +1,86 @@
+"""Blocks of the fused LM head's logits: ``hidden_chunk @ weight_tile.T (+ bias_tile)``.
+
+Shared by the head's forward and backward passes. A block is computed into
+one reused buffer in the inputs' dtype (as ``hidden @ weight.T`` would be);
+the elementwise passes over it run in row slices (on a CPU, L2-sized:
+:func:`rlmath.engine.policy.elementwise_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.engine.policy import elementwise_rows, is_cpu, spans
+from rlmath.engine.torch_backend.buffers import TileWorkspace
+
+__all__ = ["HeadBlocks"]
+
+
+class HeadBlocks:
+    """Computes blocks of logits and locates each row's labels in the vocabulary tiles.
+
+    Args:
+        hidden: ``(N, H)`` hidden states.
+        weight: ``(V, H)`` the (local) head weight; only its first ``real`` rows are used.
+        bias: ``(V,)`` or ``None``.
+        labels: ``(N, K)`` int64 local column indices (any valid index where not owned).
+        owned: ``(N, K)`` bool, the labels whose column lies in this weight.
+        live: ``(N,)`` bool, ``False`` for rows whose labels are all ignored (their
+            hidden state is replaced by zeros, so NaN or inf there cannot reach
+            anything), or ``None`` when every row is live.
+        rows, tile: rows per chunk and vocabulary entries per tile.
+        real: weight rows that are real tokens.
+        dtype: the compute dtype.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        owned: torch.Tensor,
+        live: torch.Tensor | None,
+        rows: int,
+        tile: int,
+        real: int,
+        dtype: torch.dtype,
+    ):
+        if live is not None and is_cpu(hidden.device) and bool(live.all()):
+            live = None  # nothing to replace: skip the copy of every chunk
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.labels, self.owned, self.live = labels, owned, live
+        self.row_spans = spans(hidden.shape[0], rows)
+        self.tile_spans = spans(real, tile)
+        c_max, w_max = min(rows, max(1, hidden.shape[0])), max(1, min(tile, real))
+        # Block-sized buffers (the logits block, the gradient block, matmul operands)...
+        self.ws = TileWorkspace(c_max, w_max, dtype, hidden.device)
+        # ...and slice-sized scratch for the elementwise passes.
+        self.sub = elementwise_rows(c_max, w_max, hidden.device)
+        self.small = TileWorkspace(self.sub, w_max, dtype, hidden.device)
+
+    def hidden_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """``hidden[r0:r1]``, with the rows of dead (all-ignored) positions replaced by zeros."""
+        if self.live is None:
+            return self.hidden[r0:r1]
+        return torch.where(self.live[r0:r1, None], self.hidden[r0:r1], 0.0)
+
+    def logits(self, h: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+        """The ``(c, v1 - v0)`` block ``h @ weight[v0:v1].T + bias[v0:v1]`` in the inputs' dtype."""
+        self.ws.width = v1 - v0
+        out = self.ws.get("z", h.shape[0], dtype=h.dtype)
+        w = self.weight[v0:v1].T
+        if self.bias is None:
+            return torch.mm(h, w, out=out)
+        return torch.addmm(self.bias[v0:v1], h, w, out=out)
+
+    def slices(self, c: int, v0: int, v1: int) -> list[tuple[int, int]]:
+        """Row slices of a ``(c, v1 - v0)`` block for the elementwise passes."""
+        self.small.width = v1 - v0
+        return spans(c, self.sub)
+
+    def tile_labels(self, r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index (c, K) into the tile, in-tile mask (c, K))`` of each row's labels."""
+        local = self.labels[r0:r1]
+        inside = self.owned[r0:r1] & (local >= v0) & (local < v1)
+        return torch.where(inside, local - v0, 0), inside

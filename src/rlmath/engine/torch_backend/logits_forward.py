@@ -1,0 +1,138 @@
+"""The forward pass over logits: per-row statistics, one chunk of rows at a time.
+
+One read of each chunk: its max, one fused shift by the max (and division by
+the temperature), ``exp``, and the row sums of ``exp(y)`` and (for the
+entropy) ``exp(y)·y``. ``-inf`` logits (a padded vocabulary) give
+``exp(y) = 0`` and ``y = -inf``; their ``0·(-inf)`` products are dropped by a
+NaN-ignoring sum. A row whose logits are all ``-inf`` has no mass: it gives
+``m = -inf, s = t = 0`` (another vocabulary shard then decides the row). A NaN
+logit makes its row's statistics NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.engine.policy import auto_chunk_size
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
+from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
+from rlmath.engine.torch_backend.rows import RowSource
+
+__all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_stats"]
+
+Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def chunk_stats(
+    src: torch.Tensor,
+    ws: Workspace,
+    *,
+    temperature: torch.Tensor | None = None,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Unnormalized per-row statistics of one ``(c, V)`` chunk of raw logits.
+
+    Returns ``(m, s, t)``: ``m = max z`` ``(c,)``, ``s = Σ exp(z - m)`` ``(c,)`` and
+    ``t = Σ exp(z - m)·(z - m)`` ``(c,)`` (only with ``entropy``), in the compute
+    dtype of ``ws``. A row without a finite logit gives ``m = -inf`` and NaN
+    sums (:func:`drop_dead_rows` turns them into zeros).
+
+    Args:
+        src: ``(c, V)`` raw logits, any floating dtype and strides (read only).
+        ws: scratch buffers (uses ``"y"`` and, for the entropy, ``"e"``).
+        temperature: ``None`` or ``(c, 1)`` / ``(1, 1)`` tensor in the compute dtype.
+        entropy: also compute ``t``.
+    """
+    c = src.shape[0]
+    m = scaled_max(src, temperature, ws.dtype)
+    y = scaled_shift(src, temperature, m, ws.get("y", c))
+    t: torch.Tensor | None = None
+    if entropy:
+        e = torch.exp(y, out=ws.get("e", c))
+        s = row_sum(e)
+        t = row_nansum(e.mul_(y))
+    else:
+        s = row_sum(y.exp_())
+    return m.squeeze(-1), s, t
+
+
+def drop_dead_rows(
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``s = t = 0`` for rows with ``m = -inf`` (no finite logit: no mass), for all rows at once."""
+    dead = m == float("-inf")
+    return m, torch.where(dead, 0, s), torch.where(dead, 0, t) if t is not None else None
+
+
+def label_logits(
+    src: RowSource, labels: torch.Tensor, temperature: TemperatureColumn, dtype: torch.dtype
+) -> torch.Tensor:
+    """The scaled logits ``z[labels]`` ``(M, K)`` of the selected rows, in one gather.
+
+    Upcast, then divided by ``T``: the rounding of the shifted chunk buffer, so
+    ``z - m`` equals the shifted value at the label.
+    """
+    if src.index is not None:
+        z = src.logits[src.index.unsqueeze(-1), labels]
+    else:
+        assert src.layout is not None
+        blocks = src.layout.blocks
+        parts = [
+            b.gather(1, labels[o : o + b.shape[0]])
+            for b, o in zip(blocks, src.layout.starts, strict=True)
+        ]
+        z = parts[0] if len(parts) == 1 else torch.cat(parts)
+    z = z.to(dtype)
+    col = temperature.col
+    return z if col is None else z / col
+
+
+def logits_stats(
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    narrow: tuple[int, int, int] | None,
+    labels: torch.Tensor | None,
+    temperature: Temperature,
+    want_entropy: bool,
+    real: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+) -> Stats:
+    """:func:`chunk_stats` of every selected row of ``logits``, chunk by chunk.
+
+    Args:
+        logits: ``(..., V)`` raw logits; only the first ``real`` columns are read.
+        row_index, narrow: which rows (see :class:`RowSource`).
+        labels: ``(M, K)`` int64 column indices, or ``None``.
+        temperature: ``None``, a float or an ``(M,)`` tensor in ``dtype``.
+        want_entropy: also return ``t``.
+        real: columns of ``logits`` that are real tokens.
+        chunk: rows per chunk (``None``: :func:`rlmath.engine.policy.auto_chunk_size`).
+        dtype: the compute dtype.
+
+    Returns:
+        ``(m, s, t, z_labels)`` for the ``M`` selected rows.
+    """
+    dev = logits.device
+    src = RowSource(logits, real, row_index, narrow)
+    M = src.num_rows
+    m = torch.full((M,), float("-inf"), dtype=dtype, device=dev)
+    s = torch.zeros(M, dtype=dtype, device=dev)
+    t = torch.zeros(M, dtype=dtype, device=dev) if want_entropy else None
+    z = torch.zeros(labels.shape, dtype=dtype, device=dev) if labels is not None else None
+    if M == 0 or real == 0:
+        return m, s, t, z
+    chunk = chunk or auto_chunk_size(real, M, device=dev)
+    temp = TemperatureColumn(temperature, dtype, dev)
+    ws = Workspace(min(chunk, M), real, dtype, dev)
+    for a, b in src.ranges(chunk):
+        cm, cs, ct = chunk_stats(
+            src.rows(a, b, ws), ws, temperature=temp.rows(a, b), entropy=want_entropy
+        )
+        m[a:b], s[a:b] = cm, cs
+        if t is not None and ct is not None:
+            t[a:b] = ct
+    if labels is not None:
+        z = label_logits(src, labels, temp, dtype)
+    m, s, t = drop_dead_rows(m, s, t)
+    return m, s, t, z

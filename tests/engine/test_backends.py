@@ -1,0 +1,141 @@
+"""``backend=``: visible at the call, one registry for every operation and for vocabulary shards."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import rlmath.engine.backends as backends
+from rlmath import (
+    entropy_from_logits,
+    kl_from_logits,
+    log_probs_and_entropy_from_hidden,
+    log_probs_from_logits,
+    log_probs_from_logits_response,
+    log_probs_from_logits_response_rmpad,
+    sum_pi_squared_from_logits,
+)
+from rlmath.distributed import vocab_parallel as vp
+from rlmath.engine import Backend, Kernels, available_backends, resolve_backend
+from rlmath.engine.torch_backend import TORCH_KERNELS
+from rlmath.fused_head import FusedLMHeadLogProbs
+
+
+def _calls():
+    """A backend "spy" that records each pass it runs and delegates to the torch kernels."""
+    calls: list[str] = []
+
+    def wrap(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return getattr(TORCH_KERNELS, name)(*args, **kwargs)
+
+        return kernel
+
+    fields = [f.name for f in dataclasses.fields(Kernels)]
+    return calls, Kernels(**{f: wrap(f) for f in fields})
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls, kernels = _calls()
+    spy = Backend("spy", kernels, supports=lambda t: t.dtype == torch.float64, priority=5)
+    monkeypatch.setitem(backends._BACKENDS, "spy", spy)
+    return calls
+
+
+def test_torch_backend_is_there_and_auto_picks_the_best_accepting_backend(spy):
+    x32, x64 = torch.randn(3, 7), torch.randn(3, 7, dtype=torch.float64)
+    assert resolve_backend("auto", x32) == "torch"
+    assert resolve_backend("auto", x64) == "spy"
+    assert available_backends(x64) == ["spy", "torch"]
+    assert available_backends(x32) == ["torch"]
+
+
+def test_every_vocabulary_function_goes_through_the_choice(spy):
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (4,))
+    log_probs_from_logits(x, labels).sum().backward()
+    entropy_from_logits(x)
+    kl_from_logits(x, x.detach() + 1)
+    sum_pi_squared_from_logits(x)
+    assert spy == ["logits_stats", "logits_grad", "logits_stats", "kl_stats", "pi_squared_stats"]
+    spy.clear()
+    log_probs_from_logits(x, labels, backend="torch")  # named: the spy is skipped
+    assert spy == []
+    ids = torch.randint(0, 9, (2, 4))
+    dense = torch.randn(2, 4, 9, dtype=torch.float64)
+    log_probs_from_logits_response(ids, dense, 2)
+    log_probs_from_logits_response_rmpad(ids, torch.ones(2, 4), dense.view(8, 9), 2)
+    assert spy == ["logits_stats", "logits_stats"]
+    spy.clear()
+    h = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 3, dtype=torch.float64)
+    lp, _ = log_probs_and_entropy_from_hidden(h, w, labels)
+    lp.sum().backward()
+    FusedLMHeadLogProbs(torch.nn.Linear(3, 9, dtype=torch.float64))(h, labels)
+    assert spy == ["head_stats", "head_grad", "head_stats"]
+
+
+def test_vocabulary_parallel_functions_go_through_the_same_choice(spy):
+    # A world of one: the vocabulary-parallel faces reach the same operators and backends.
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (4,))
+    lp = vp.vocab_parallel_log_probs_from_logits(x, labels)
+    lp.sum().backward()
+    vp.vocab_parallel_kl_from_logits(x, x.detach())
+    vp.vocab_parallel_sum_pi_squared(x)
+    h = torch.randn(4, 3, dtype=torch.float64)
+    vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+        h, torch.randn(9, 3, dtype=torch.float64), labels
+    )
+    assert spy == ["logits_stats", "logits_grad", "kl_stats", "pi_squared_stats", "head_stats"]
+    spy.clear()
+    vp.vocab_parallel_entropy(x, backend="torch")
+    assert spy == []
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda b: log_probs_from_logits(
+            torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend=b
+        ),
+        lambda b: entropy_from_logits(torch.randn(2, 5), backend=b),
+        lambda b: kl_from_logits(torch.randn(2, 5), torch.randn(2, 5), backend=b),
+        lambda b: log_probs_and_entropy_from_hidden(
+            torch.randn(2, 3), torch.randn(5, 3), torch.zeros(2, dtype=torch.long), backend=b
+        ),
+        lambda b: vp.vocab_parallel_entropy(torch.randn(2, 5), backend=b),
+        lambda b: FusedLMHeadLogProbs(torch.nn.Linear(3, 5), backend=b),
+    ],
+)
+def test_unknown_backend_names_list_the_valid_ones(call):
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'cuda-fast'; valid values are: auto, torch, triton"
+    ):
+        call("cuda-fast")
+    with pytest.raises(TypeError, match="backend must be a str"):
+        call(3)
+
+
+def test_unavailable_and_unsupporting_backends_say_why(monkeypatch):
+    # An optional backend whose module cannot be imported is named with the reason.
+    monkeypatch.setitem(backends._OPTIONAL, "triton", "rlmath.engine.no_such_backend_module")
+    monkeypatch.setattr(backends, "_UNAVAILABLE", {})
+    monkeypatch.delitem(backends._BACKENDS, "triton", raising=False)
+    with pytest.raises(ValueError, match="backend 'triton' is not available: No module named"):
+        resolve_backend("triton", torch.randn(2))
+    only64 = Backend("only64", TORCH_KERNELS, supports=lambda t: t.dtype == torch.float64)
+    monkeypatch.setitem(backends._BACKENDS, "only64", only64)
+    with pytest.raises(ValueError, match="backend 'only64' does not accept torch.float32"):
+        log_probs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend="only64")
+
+
+def test_register_backend_checks_its_argument():
+    with pytest.raises(TypeError, match="Backend"):
+        backends.register_backend("torch")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Kernels"):
+        backends.register_backend(Backend("x", kernels={}))  # type: ignore[arg-type]
