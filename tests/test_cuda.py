@@ -106,6 +106,50 @@ def test_response_rmpad_matches_dense():
     assert packed.device.type == "cuda"
 
 
+def test_packed_response_functions_do_not_sync():
+    g = torch.Generator().manual_seed(5)
+    B, S, V, Rl = 3, 10, 313, 4
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    mask[2, 4] = 0
+    nnz = int(mask.sum())
+    packed = torch.randn(nnz, V, generator=g)
+    idx = mask.view(-1).nonzero().squeeze(1)
+    temp = torch.rand(B, 1, generator=g) + 0.5
+    ids_d, mask_d, idx_d, temp_d = (t.to(DEV) for t in (ids, mask, idx, temp))
+    ids_p = ids_d.view(-1)[idx_d]
+    leaves = [packed.to(DEV).requires_grad_() for _ in range(2)]
+    R.log_probs_from_logits_response_rmpad(ids_d, mask_d, leaves[0], Rl).sum().backward()  # warm-up
+    leaves[0].grad = None
+    with no_sync():
+        a = R.log_probs_from_logits_response_rmpad(ids_d, mask_d, leaves[0], Rl, temperature=temp_d)
+        b = R.log_probs_from_logits_all_rmpad(ids_p, leaves[1], idx_d, B, S, Rl, temperature=temp_d)
+        (a.sum() + b.sum()).backward()
+    cpu = packed.clone().requires_grad_()
+    want = R.log_probs_from_logits_response_rmpad(ids, mask, cpu, Rl, temperature=temp)
+    want.sum().backward()
+    for got in (a, b):
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    for leaf in leaves:
+        torch.testing.assert_close(leaf.grad.cpu(), cpu.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_ignored_labels_do_not_sync_and_give_zero_gradient():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 1000, generator=g)
+    x[5] = float("nan")
+    labels = torch.randint(0, 1000, (64,), generator=g)
+    labels[5] = -100
+    xd = x.to(DEV).requires_grad_()
+    with no_sync():
+        lp, ent = R.log_probs_and_entropy_from_logits(xd, labels.to(DEV), ignore_index=-100)
+        (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(xd.grad).all() and (xd.grad[5] == 0).all()
+    assert lp[5] == 0 and ent[5] == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_head_matches_unfused(dtype):
     g = torch.Generator().manual_seed(3)

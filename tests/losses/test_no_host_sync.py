@@ -9,8 +9,6 @@ made to raise while the functions run. On CUDA the same calls also run under
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -25,54 +23,9 @@ from rlmath import (
     list_policy_losses,
     rollout_correction,
 )
+from tests.host_reads import HostSync, forbid_host_reads
 
 from .helpers import LOSS_KWARGS, MODES, policy_batch
-
-
-class HostSync(AssertionError):
-    pass
-
-
-@contextlib.contextmanager
-def forbid_host_reads():
-    def refuse(name):
-        def method(*args, **kwargs):
-            raise HostSync(f"Tensor.{name} reads device data on the host")
-
-        return method
-
-    names = [
-        "__bool__",
-        "__int__",
-        "__float__",
-        "__index__",
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "nonzero",
-    ]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-    saved_getitem = torch.Tensor.__getitem__
-    saved_nonzero = torch.nonzero
-
-    def getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-            raise HostSync("boolean-mask indexing has a data-dependent shape")
-        return saved_getitem(self, index)
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, refuse(n))
-        torch.Tensor.__getitem__ = getitem
-        torch.nonzero = refuse("nonzero")
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        torch.Tensor.__getitem__ = saved_getitem
-        torch.nonzero = saved_nonzero
 
 
 def test_the_guard_catches_syncs():

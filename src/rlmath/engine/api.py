@@ -29,7 +29,7 @@ from rlmath._validation import (
 from rlmath.engine import dtensor as dt
 from rlmath.engine import ops
 from rlmath.engine.backends import resolve_backend
-from rlmath.engine.config import SINGLE_PROCESS, OpConfig, VocabShard
+from rlmath.engine.config import OpConfig, VocabShard
 from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
 from rlmath.engine.groups import ProcessGroup, group_name, group_rank
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
@@ -81,8 +81,16 @@ def vocab_shard(
     return VocabShard(start=start, real=real, group=group_name(group))
 
 
-def _config(backend: object, tensor: torch.Tensor, **fields: Any) -> OpConfig:
-    return OpConfig(backend=resolve_backend(backend, tensor), **fields)
+def _config(
+    backend: object, tensor: torch.Tensor, shard: VocabShard | None = None, **fields: Any
+) -> OpConfig:
+    name = resolve_backend(backend, tensor)
+    if shard is None:
+        return OpConfig(backend=name, **fields)
+    # Flat fields: a compiler tracing this call handles one plain dataclass.
+    return OpConfig(
+        backend=name, shard_start=shard.start, shard_real=shard.real, group=shard.group, **fields
+    )
 
 
 def _trailing(ndim_t: int, ndim_batch: int) -> tuple[int, ...]:
@@ -133,7 +141,7 @@ def log_probs_entropy(
     cfg = _config(
         backend, x, temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard if shard is not None else SINGLE_PROCESS,
+        shard=shard,
     )  # fmt: skip
     logp, ent, _ = LogProbsEntropyFunction.apply(x, lab2d, temp, None, cfg)
     return (
@@ -235,7 +243,7 @@ def kl(
     cfg = _config(
         backend, x, temperature=scalar,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard if shard is not None else SINGLE_PROCESS,
+        shard=shard,
     )  # fmt: skip
     out, _, _ = KLFunction.apply(x, r, temp_t, cfg)
     return out.view(batch)
@@ -263,7 +271,7 @@ def sum_pi_squared(
     cfg = _config(
         backend, x, temperature=scalar,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard if shard is not None else SINGLE_PROCESS,
+        shard=shard,
     )  # fmt: skip
     with torch.no_grad():
         return ops.sum_pi_squared(x.detach(), temp, *cfg.op_args()).view(batch)
@@ -366,7 +374,7 @@ def packed_response_log_probs(
     cfg = _config(
         backend, x, temperature=scalar, ignore_index=NO_LABEL,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard if shard is not None else SINGLE_PROCESS,
+        shard=shard,
     )  # fmt: skip
     logp, _, _ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, cfg)
     logp = logp.view(B, response_length)
@@ -468,7 +476,7 @@ def fused_head(
         backend, h, temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         vocab_chunk_size=check_positive_int_or_none("vocab_chunk_size", vocab_chunk_size),
-        shard=shard if shard is not None else SINGLE_PROCESS,
+        shard=shard,
         reduce_grad_hidden=bool(reduce_grad_hidden),
     )  # fmt: skip
     logp, ent, _ = FusedHeadFunction.apply(h, w, b, lab2d, temp, cfg)

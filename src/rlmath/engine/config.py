@@ -51,7 +51,9 @@ class OpConfig:
         vocab_chunk_size: vocabulary entries per fused-head tile (``None``: the policy).
         narrow: ``(dim, start, length)``: use the rows of
             ``logits.narrow(dim, start, length)`` (a batch dim), or ``None``.
-        shard: the vocabulary columns this process holds.
+        shard_start, shard_real, group: the fields of the :class:`VocabShard`
+            of this process (:attr:`shard`; flat, so that a compiler tracing the
+            call handles one plain dataclass).
         reduce_grad_hidden: fused head only: sum the gradient of ``hidden`` over
             the shard's group (else each rank keeps its own part).
     """
@@ -63,8 +65,15 @@ class OpConfig:
     chunk_size: int | None = None
     vocab_chunk_size: int | None = None
     narrow: tuple[int, int, int] | None = None
-    shard: VocabShard = SINGLE_PROCESS
+    shard_start: int = 0
+    shard_real: int = -1
+    group: str = ""
     reduce_grad_hidden: bool = True
+
+    @property
+    def shard(self) -> VocabShard:
+        """The vocabulary columns this process holds."""
+        return VocabShard(self.shard_start, self.shard_real, self.group)
 
     def op_args(self) -> tuple[object, ...]:
         """The fields in the order of the operators' trailing arguments (see ``ops.py``)."""
@@ -77,9 +86,9 @@ class OpConfig:
             self.chunk_size if self.chunk_size is not None else 0,
             self.vocab_chunk_size if self.vocab_chunk_size is not None else 0,
             narrow,
-            self.shard.start,
-            self.shard.real,
-            self.shard.group,
+            self.shard_start,
+            self.shard_real,
+            self.group,
             bool(self.reduce_grad_hidden),
         )
 
@@ -106,6 +115,8 @@ class OpConfig:
             chunk_size=chunk_size or None,
             vocab_chunk_size=vocab_chunk_size or None,
             narrow=(narrow[0], narrow[1], narrow[2]) if narrow else None,
-            shard=VocabShard(shard_start, shard_real, group),
+            shard_start=shard_start,
+            shard_real=shard_real,
+            group=group,
             reduce_grad_hidden=reduce_grad_hidden,
         )

@@ -90,7 +90,7 @@ def layout_of(x: Any, name: str, *, vocab_dim: int, batch_dims: tuple[int, ...])
             continue
         if not isinstance(p, dt.Shard):
             raise TypeError(
-                f"{name} is a DTensor with placement {p} ({placements}), which rlmath does "
+                f"{name} is a DTensor with placement {p!r} ({placements}), which rlmath does "
                 "not support: redistribute it to Replicate() or a Shard of the vocabulary "
                 "or batch dims"
             )
