@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from rlmath._validation import result_dtype
 from rlmath.engine.backends import get_kernels
 from rlmath.engine.config import OpConfig
 from rlmath.engine.groups import ProcessGroup, resolve_group
@@ -42,11 +43,6 @@ __all__ = [
 ]
 
 Temp = torch.Tensor | float | None
-
-
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp64 if any input is fp64, else fp32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def num_rows(logits: torch.Tensor, row_index: torch.Tensor | None, narrow: list[int]) -> int:
@@ -143,7 +139,7 @@ def logits_forward(
     cfg: OpConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp (M, K) or empty, entropy (M,) or empty, lse (M,))`` in the compute dtype."""
-    cdt, dev = compute_dtype(logits), logits.device
+    cdt, dev = result_dtype(logits), logits.device
     real = cfg.shard.real_columns(logits.shape[-1])
     group = _group(cfg)
     lab = (
@@ -279,7 +275,7 @@ def kl_forward(
     cfg: OpConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(KL (N,), lse_z (N,), lse_r (N,))`` in the compute dtype."""
-    cdt = compute_dtype(logits, ref_logits)
+    cdt = result_dtype(logits, ref_logits)
     real = cfg.shard.real_columns(logits.shape[-1])
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)
@@ -335,7 +331,7 @@ def _head_setup(
     temperature: torch.Tensor | None,
     cfg: OpConfig,
 ) -> tuple[torch.dtype, int, ProcessGroup | None, _Labels, Temp, tuple[int, int]]:
-    cdt = compute_dtype(hidden, weight)
+    cdt = result_dtype(hidden, weight)
     real = cfg.shard.real_columns(weight.shape[0])
     group = _group(cfg)
     lab = _Labels(labels, cfg, real, weight.shape[0], group is None)
@@ -461,7 +457,7 @@ def pi_squared(
     logits: torch.Tensor, temperature: torch.Tensor | None, cfg: OpConfig
 ) -> torch.Tensor:
     """``Σ_v π_v²`` per row ``(N,)`` in the compute dtype (no gradient)."""
-    cdt = compute_dtype(logits)
+    cdt = result_dtype(logits)
     real = cfg.shard.real_columns(logits.shape[-1])
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.library import custom_op, register_vmap
 
+from rlmath._validation import result_dtype
 from rlmath.engine import impl
 from rlmath.engine.config import OpConfig
 
@@ -55,7 +56,7 @@ def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _cdt(*tensors: torch.Tensor) -> torch.dtype:
-    return impl.compute_dtype(*tensors)
+    return result_dtype(*tensors)
 
 
 # ------------------------------------------------------------------ logits
