@@ -75,48 +75,41 @@ class OpConfig:
         """The vocabulary columns this process holds."""
         return VocabShard(self.shard_start, self.shard_real, self.group)
 
-    def op_args(self) -> tuple[object, ...]:
-        """The fields in the order of the operators' trailing arguments (see ``ops.py``)."""
-        narrow = list(self.narrow) if self.narrow is not None else []
-        return (
-            self.backend,
-            float(self.temperature),
-            bool(self.want_entropy),
-            self.ignore_index,
-            self.chunk_size if self.chunk_size is not None else 0,
-            self.vocab_chunk_size if self.vocab_chunk_size is not None else 0,
-            narrow,
+    def op_args(self) -> tuple[str, str, float, list[int]]:
+        """The fields as the operators' last four arguments: ``(backend, group, temperature, ints)``.
+
+        Operator schemas take plain values only; ``ints`` packs the integer and
+        boolean fields (see :meth:`from_op_args`, the inverse).
+        """
+        narrow = list(self.narrow) if self.narrow is not None else [-1, 0, 0]
+        ints = [
+            int(self.want_entropy),
+            int(self.ignore_index is not None),
+            self.ignore_index if self.ignore_index is not None else 0,
+            self.chunk_size or 0,
+            self.vocab_chunk_size or 0,
+            *narrow,
             self.shard_start,
             self.shard_real,
-            self.group,
-            bool(self.reduce_grad_hidden),
-        )
+            int(self.reduce_grad_hidden),
+        ]
+        return self.backend, self.group, float(self.temperature), ints
 
     @staticmethod
-    def from_op_args(
-        backend: str,
-        temperature: float,
-        want_entropy: bool,
-        ignore_index: int | None,
-        chunk_size: int,
-        vocab_chunk_size: int,
-        narrow: list[int],
-        shard_start: int,
-        shard_real: int,
-        group: str,
-        reduce_grad_hidden: bool,
-    ) -> OpConfig:
+    def from_op_args(backend: str, group: str, temperature: float, ints: list[int]) -> OpConfig:
         """The inverse of :meth:`op_args` (inside the operators)."""
+        (want_entropy, has_ignore, ignore, chunk, vchunk, n_dim, n_start, n_len, start, real,
+         reduce) = ints  # fmt: skip
         return OpConfig(
             backend=backend,
             temperature=temperature,
-            want_entropy=want_entropy,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size or None,
-            vocab_chunk_size=vocab_chunk_size or None,
-            narrow=(narrow[0], narrow[1], narrow[2]) if narrow else None,
-            shard_start=shard_start,
-            shard_real=shard_real,
+            want_entropy=bool(want_entropy),
+            ignore_index=ignore if has_ignore else None,
+            chunk_size=chunk or None,
+            vocab_chunk_size=vchunk or None,
+            narrow=(n_dim, n_start, n_len) if n_dim >= 0 else None,
+            shard_start=start,
+            shard_real=real,
             group=group,
-            reduce_grad_hidden=reduce_grad_hidden,
+            reduce_grad_hidden=bool(reduce),
         )

@@ -45,12 +45,14 @@ __all__ = [
 Temp = torch.Tensor | float | None
 
 
-def num_rows(logits: torch.Tensor, row_index: torch.Tensor | None, narrow: list[int]) -> int:
+def num_rows(
+    logits: torch.Tensor, row_index: torch.Tensor | None, narrow: tuple[int, int, int] | None
+) -> int:
     """Rows an operator on ``logits`` processes (all, a narrow of a batch dim, or indexed)."""
     if row_index is not None:
         return row_index.numel()
     shape = list(logits.shape[:-1])
-    if narrow:
+    if narrow is not None:
         shape[narrow[0]] = narrow[2]
     return math.prod(shape)
 
@@ -92,7 +94,7 @@ def _row_temperature(
     batch: tuple[int, ...],
     dtype: torch.dtype,
     *,
-    narrow: list[int] | None = None,
+    narrow: tuple[int, int, int] | None = None,
     row_index: torch.Tensor | None = None,
     live: torch.Tensor | None = None,
 ) -> Temp:
@@ -104,8 +106,8 @@ def _row_temperature(
     if temperature is None:
         return None if scalar == 1.0 else scalar
     t = temperature.to(dtype).expand(batch)
-    if narrow:
-        t = t.narrow(narrow[0], narrow[1], narrow[2])
+    if narrow is not None:
+        t = t.narrow(*narrow)
     t = t.reshape(-1)
     if row_index is not None:
         t = t[row_index]
@@ -131,6 +133,32 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # ------------------------------------------------------------------ logits
 
 
+def _logits_setup(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    cfg: OpConfig,
+    cdt: torch.dtype,
+) -> tuple[int, ProcessGroup | None, _Labels | None, Temp]:
+    """``(real columns, group, labels located here, temperature of each row)``."""
+    real = cfg.shard.real_columns(logits.shape[-1])
+    group = _group(cfg)
+    lab = None
+    if labels is not None:
+        lab = _Labels(labels, cfg, real, logits.shape[-1], group is None)
+    temp = _row_temperature(
+        temperature,
+        cfg.temperature,
+        tuple(logits.shape[:-1]),
+        cdt,
+        narrow=cfg.narrow,
+        row_index=row_index,
+        live=lab.live if lab is not None else None,
+    )
+    return real, group, lab, temp
+
+
 def logits_forward(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -140,22 +168,8 @@ def logits_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp (M, K) or empty, entropy (M,) or empty, lse (M,))`` in the compute dtype."""
     cdt, dev = result_dtype(logits), logits.device
-    real = cfg.shard.real_columns(logits.shape[-1])
-    group = _group(cfg)
-    lab = (
-        _Labels(labels, cfg, real, logits.shape[-1], group is None) if labels is not None else None
-    )
+    real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
     live = lab.live if lab is not None else None
-    narrow = list(cfg.narrow) if cfg.narrow else None
-    temp = _row_temperature(
-        temperature,
-        cfg.temperature,
-        tuple(logits.shape[:-1]),
-        cdt,
-        narrow=narrow,
-        row_index=row_index,
-        live=live,
-    )
     kernels = get_kernels(cfg.backend)
     if row_index is not None and logits.shape[0] == 0:
         # No packed rows at all: every selected row is dead.
@@ -207,22 +221,8 @@ def logits_backward(
 ) -> torch.Tensor:
     """The gradient of the logits (their shape and dtype) for the given upstream gradients."""
     cdt = lse.dtype
-    real = cfg.shard.real_columns(logits.shape[-1])
-    group = _group(cfg)
-    lab = (
-        _Labels(labels, cfg, real, logits.shape[-1], group is None) if labels is not None else None
-    )
+    real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
     live = lab.live if lab is not None else None
-    narrow = list(cfg.narrow) if cfg.narrow else None
-    temp = _row_temperature(
-        temperature,
-        cfg.temperature,
-        tuple(logits.shape[:-1]),
-        cdt,
-        narrow=narrow,
-        row_index=row_index,
-        live=live,
-    )
     if lab is None:
         grad_logp = None
     if not cfg.want_entropy:

@@ -69,30 +69,20 @@ def logits_forward(
     temperature: torch.Tensor | None,
     row_index: torch.Tensor | None,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(M, K)``, entropy ``(M,)`` and log-sum-exp ``(M,)`` of selected rows."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.logits_forward(logits, labels, temperature, row_index, cfg)
 
 
 @logits_forward.register_fake
-def _(logits, labels, temperature, row_index, backend, temperature_scalar, want_entropy,
-      ignore_index, chunk_size, vocab_chunk_size, narrow, shard_start, shard_real, group,
-      reduce_grad_hidden):  # fmt: skip
-    cdt, M = _cdt(logits), impl.num_rows(logits, row_index, narrow)
+def _(logits, labels, temperature, row_index, backend, group, temperature_scalar, ints):
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    want_entropy = cfg.want_entropy
+    cdt, M = _cdt(logits), impl.num_rows(logits, row_index, cfg.narrow)
     logp = logits.new_empty((M, labels.shape[-1]) if labels is not None else (0,), dtype=cdt)
     ent = logits.new_empty((M,) if want_entropy else (0,), dtype=cdt)
     return logp, ent, logits.new_empty((M,), dtype=cdt)
@@ -109,22 +99,12 @@ def logits_backward(
     lse: torch.Tensor,
     entropy: torch.Tensor,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> torch.Tensor:
     """The gradient of ``logits`` (its shape and dtype)."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.logits_backward(
         grad_logp, grad_entropy, logits, labels, temperature, row_index, lse, entropy, cfg
     )
@@ -144,22 +124,12 @@ def kl_forward(
     ref_logits: torch.Tensor,
     temperature: torch.Tensor | None,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``KL (N,)``, ``lse_z (N,)``, ``lse_r (N,)`` over the (sharded) vocabulary."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.kl_forward(logits, ref_logits, temperature, cfg)
 
 
@@ -182,22 +152,12 @@ def kl_backward(
     need_logits: bool,
     need_ref_logits: bool,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``logits`` and ``ref_logits`` (empty where not needed)."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.kl_backward(
         grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl,
         need_logits, need_ref_logits, cfg,
@@ -223,28 +183,18 @@ def head_forward(
     labels: torch.Tensor,
     temperature: torch.Tensor | None,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(N, K)``, entropy ``(N,)`` and log-sum-exp ``(N,)`` of the head."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.head_forward(hidden, weight, bias, labels, temperature, cfg)
 
 
 @head_forward.register_fake
-def _(hidden, weight, bias, labels, temperature, backend, temperature_scalar, want_entropy,
-      *args):  # fmt: skip
+def _(hidden, weight, bias, labels, temperature, backend, group, temperature_scalar, ints):
+    want_entropy = OpConfig.from_op_args(backend, group, temperature_scalar, ints).want_entropy
     cdt = _cdt(hidden, weight)
     n = labels.shape[0]
     logp = hidden.new_empty((n, labels.shape[-1]), dtype=cdt)
@@ -267,22 +217,12 @@ def head_backward(
     need_weight: bool,
     need_bias: bool,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``hidden``, ``weight`` and ``bias`` (empty where not needed)."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.head_backward(
         grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, entropy,
         (need_hidden, need_weight, need_bias), cfg,
@@ -306,22 +246,12 @@ def sum_pi_squared(
     logits: torch.Tensor,
     temperature: torch.Tensor | None,
     backend: str,
-    temperature_scalar: float,
-    want_entropy: bool,
-    ignore_index: int | None,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    narrow: list[int],
-    shard_start: int,
-    shard_real: int,
     group: str,
-    reduce_grad_hidden: bool,
+    temperature_scalar: float,
+    ints: list[int],
 ) -> torch.Tensor:
     """``Σ_v π_v²`` per row ``(N,)`` (no gradient)."""
-    cfg = OpConfig.from_op_args(
-        backend, temperature_scalar, want_entropy, ignore_index, chunk_size, vocab_chunk_size,
-        narrow, shard_start, shard_real, group, reduce_grad_hidden,
-    )  # fmt: skip
+    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
     return impl.pi_squared(logits, temperature, cfg)
 
 
