@@ -11,6 +11,8 @@ vocabulary-parallel; without one the whole vocabulary is in this process.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -404,6 +406,7 @@ def packed_rows_from_indices(
 def _check_head(
     hidden: object, weight: object, bias: object, names: tuple[str, str, str], min_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Shapes and devices of the head's inputs; their dtypes are reconciled by :func:`_head_dtype`."""
     hn, wn, bn = names
     h = check_tensor(hn, hidden, floating=True)
     if h.dim() < 1:
@@ -415,8 +418,6 @@ def _check_head(
             f"{wn} must have shape ({rows}, H) with {rows} >= {min_rows} and H = "
             f"{hn}.shape[-1] = {h.shape[-1]}, got {tuple(w.shape)}"
         )
-    if w.dtype != h.dtype:
-        raise TypeError(f"{wn} must have the dtype of {hn} ({h.dtype}), got {w.dtype}")
     if w.device != h.device:
         raise ValueError(f"{wn} is on {w.device} but {hn} is on {h.device}")
     if bias is None:
@@ -426,11 +427,39 @@ def _check_head(
         raise ValueError(
             f"{bn} must have shape (V,) = ({w.shape[0]},), the rows of {wn}, got {tuple(b.shape)}"
         )
-    if b.dtype != w.dtype:
-        raise TypeError(f"{bn} must have the dtype of {wn} ({w.dtype}), got {b.dtype}")
     if b.device != w.device:
         raise ValueError(f"{bn} is on {b.device} but {wn} is on {w.device}")
     return h, w, b
+
+
+def _head_dtype(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The head's inputs in one dtype: autocast's when it is on, else the widest of theirs.
+
+    Under ``torch.autocast`` the head runs in the autocast dtype, as ``F.linear``
+    would (the casts are differentiable: gradients reach an fp32 master
+    weight). Otherwise mixed dtypes (bf16 hidden states with an fp32 weight,
+    say) are promoted to the widest, so nothing is rounded down.
+    """
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = torch.promote_types(h.dtype, w.dtype)
+        if b is not None:
+            dtype = torch.promote_types(dtype, b.dtype)
+    return h.to(dtype), w.to(dtype), b.to(dtype) if b is not None else None
+
+
+def _positive(name: str, value: object) -> float:
+    """A finite float > 0 (Python or numpy)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    return v
 
 
 def fused_head(
@@ -446,38 +475,60 @@ def fused_head(
     vocab_chunk_size: object,
     backend: object,
     validate: bool,
+    logit_scale: object = 1.0,
+    softcap: object = None,
+    vocab_size: object = None,
     allow_k: bool = False,
     shard: VocabShard | None = None,
     reduce_grad_hidden: bool = True,
     names: tuple[str, str, str] = ("hidden", "weight", "bias"),
 ) -> tuple[Any, Any]:
-    """Label log-probs (``labels.shape``) and entropy (``hidden.shape[:-1]``) of the LM head."""
+    """Label log-probs (``labels.shape``) and entropy (``hidden.shape[:-1]``) of the LM head.
+
+    The logits are ``softcap·tanh(logit_scale·(hidden @ weight.T + bias) / softcap)``;
+    ``vocab_size`` (one process only) keeps the first rows of ``weight`` as the
+    vocabulary and leaves the others (padding) out of the softmax.
+    """
     if dt.any_dtensor(hidden, weight, bias, labels, temperature):
         return _fused_head_dtensor(
             hidden, weight, labels, bias=bias, temperature=temperature,
             want_entropy=want_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate,
+            logit_scale=logit_scale, softcap=softcap, vocab_size=vocab_size,
             allow_k=allow_k, shard=shard, reduce_grad_hidden=reduce_grad_hidden, names=names,
         )  # fmt: skip
     h, w, b = _check_head(hidden, weight, bias, names, 1 if shard is None else 0)
+    scale = _positive("logit_scale", logit_scale)
+    cap = 0.0 if softcap is None else _positive("softcap", softcap)
     batch = tuple(h.shape[:-1])
     ig = check_optional_int("ignore_index", ignore_index)
     lab2d, out_shape = check_labels(
         "labels", labels, batch, h.device, allow_k=allow_k, device_of=names[0],
         batch_name=f"{names[0]}.shape[:-1]",
     )  # fmt: skip
-    if validate and shard is None:
-        check_label_values("labels", lab2d, w.shape[0], ig)
+    if vocab_size is not None:
+        if shard is not None:
+            raise ValueError("vocab_size here is for one process; shards take their own")
+        real = check_optional_int("vocab_size", vocab_size)
+        assert real is not None
+        if not 1 <= real <= w.shape[0]:
+            raise ValueError(
+                f"vocab_size must be in [1, {w.shape[0]}] (the rows of {names[1]}), got {real}"
+            )
+        shard = VocabShard(start=0, real=real)
+    if validate and (shard is None or vocab_size is not None):
+        check_label_values("labels", lab2d, shard.real if shard else w.shape[0], ig)
     temp, scalar = check_temperature(
         temperature, batch, h.device, validate=validate, shape_name=f"{names[0]}.shape[:-1]",
         device_of=names[0],
     )  # fmt: skip
+    h, w, b = _head_dtype(h, w, b)
     cfg = _config(
         backend, h, temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         vocab_chunk_size=check_positive_int_or_none("vocab_chunk_size", vocab_chunk_size),
-        shard=shard,
-        reduce_grad_hidden=bool(reduce_grad_hidden),
+        shard=shard, reduce_grad_hidden=bool(reduce_grad_hidden), logit_scale=scale,
+        softcap=cap,
     )  # fmt: skip
     logp, ent, _ = FusedHeadFunction.apply(h, w, b, lab2d, temp, cfg)
     return logp.view(out_shape), ent.view(batch) if want_entropy else None

@@ -56,6 +56,10 @@ class OpConfig:
             call handles one plain dataclass).
         reduce_grad_hidden: fused head only: sum the gradient of ``hidden`` over
             the shard's group (else each rank keeps its own part).
+        logit_scale: fused head only: the head's logits are multiplied by it
+            (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
+        softcap: fused head only: ``c > 0`` soft-caps the (scaled) logits to
+            ``c·tanh(z / c)`` (Gemma 2/3's ``final_logit_softcapping``); 0: none.
     """
 
     backend: str = "torch"
@@ -69,17 +73,20 @@ class OpConfig:
     shard_real: int = -1
     group: str = ""
     reduce_grad_hidden: bool = True
+    logit_scale: float = 1.0
+    softcap: float = 0.0
 
     @property
     def shard(self) -> VocabShard:
         """The vocabulary columns this process holds."""
         return VocabShard(self.shard_start, self.shard_real, self.group)
 
-    def op_args(self) -> tuple[str, str, float, list[int]]:
-        """The fields as the operators' last four arguments: ``(backend, group, temperature, ints)``.
+    def op_args(self) -> tuple[str, str, list[float], list[int]]:
+        """The fields as the operators' last four arguments: ``(backend, group, floats, ints)``.
 
-        Operator schemas take plain values only; ``ints`` packs the integer and
-        boolean fields (see :meth:`from_op_args`, the inverse).
+        Operator schemas take plain values only; ``floats`` packs the
+        temperature, logit scale and soft-cap, ``ints`` the integer and boolean
+        fields (see :meth:`from_op_args`, the inverse).
         """
         narrow = list(self.narrow) if self.narrow is not None else [-1, 0, 0]
         ints = [
@@ -93,11 +100,13 @@ class OpConfig:
             self.shard_real,
             int(self.reduce_grad_hidden),
         ]
-        return self.backend, self.group, float(self.temperature), ints
+        floats = [float(self.temperature), float(self.logit_scale), float(self.softcap)]
+        return self.backend, self.group, floats, ints
 
     @staticmethod
-    def from_op_args(backend: str, group: str, temperature: float, ints: list[int]) -> OpConfig:
+    def from_op_args(backend: str, group: str, floats: list[float], ints: list[int]) -> OpConfig:
         """The inverse of :meth:`op_args` (inside the operators)."""
+        temperature, logit_scale, softcap = floats
         (want_entropy, has_ignore, ignore, chunk, vchunk, n_dim, n_start, n_len, start, real,
          reduce) = ints  # fmt: skip
         return OpConfig(
@@ -112,4 +121,6 @@ class OpConfig:
             shard_real=real,
             group=group,
             reduce_grad_hidden=bool(reduce),
+            logit_scale=logit_scale,
+            softcap=softcap,
         )

@@ -374,6 +374,8 @@ def head_forward(
         rows=rows,
         tile=tile,
         dtype=cdt,
+        scale=cfg.logit_scale,
+        softcap=cfg.softcap or None,
     )
     big, log_s, ent, z_all = combine_shards(m, s, t, z, lab.owned, group)
     assert z_all is not None
@@ -437,6 +439,8 @@ def head_backward(
         real=real,
         rows=rows,
         tile=tile,
+        scale=cfg.logit_scale,
+        softcap=cfg.softcap or None,
     )
     if gh is not None:
         if reduce:

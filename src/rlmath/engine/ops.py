@@ -70,17 +70,17 @@ def logits_forward(
     row_index: torch.Tensor | None,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(M, K)``, entropy ``(M,)`` and log-sum-exp ``(M,)`` of selected rows."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.logits_forward(logits, labels, temperature, row_index, cfg)
 
 
 @logits_forward.register_fake
-def _(logits, labels, temperature, row_index, backend, group, temperature_scalar, ints):
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+def _(logits, labels, temperature, row_index, backend, group, floats, ints):
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     want_entropy = cfg.want_entropy
     cdt, M = _cdt(logits), impl.num_rows(logits, row_index, cfg.narrow)
     logp = logits.new_empty((M, labels.shape[-1]) if labels is not None else (0,), dtype=cdt)
@@ -100,11 +100,11 @@ def logits_backward(
     entropy: torch.Tensor,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> torch.Tensor:
     """The gradient of ``logits`` (its shape and dtype)."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.logits_backward(
         grad_logp, grad_entropy, logits, labels, temperature, row_index, lse, entropy, cfg
     )
@@ -125,11 +125,11 @@ def kl_forward(
     temperature: torch.Tensor | None,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``KL (N,)``, ``lse_z (N,)``, ``lse_r (N,)`` over the (sharded) vocabulary."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.kl_forward(logits, ref_logits, temperature, cfg)
 
 
@@ -153,11 +153,11 @@ def kl_backward(
     need_ref_logits: bool,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``logits`` and ``ref_logits`` (empty where not needed)."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.kl_backward(
         grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl,
         need_logits, need_ref_logits, cfg,
@@ -184,17 +184,17 @@ def head_forward(
     temperature: torch.Tensor | None,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(N, K)``, entropy ``(N,)`` and log-sum-exp ``(N,)`` of the head."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.head_forward(hidden, weight, bias, labels, temperature, cfg)
 
 
 @head_forward.register_fake
-def _(hidden, weight, bias, labels, temperature, backend, group, temperature_scalar, ints):
-    want_entropy = OpConfig.from_op_args(backend, group, temperature_scalar, ints).want_entropy
+def _(hidden, weight, bias, labels, temperature, backend, group, floats, ints):
+    want_entropy = OpConfig.from_op_args(backend, group, floats, ints).want_entropy
     cdt = _cdt(hidden, weight)
     n = labels.shape[0]
     logp = hidden.new_empty((n, labels.shape[-1]), dtype=cdt)
@@ -218,11 +218,11 @@ def head_backward(
     need_bias: bool,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``hidden``, ``weight`` and ``bias`` (empty where not needed)."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.head_backward(
         grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, entropy,
         (need_hidden, need_weight, need_bias), cfg,
@@ -247,11 +247,11 @@ def sum_pi_squared(
     temperature: torch.Tensor | None,
     backend: str,
     group: str,
-    temperature_scalar: float,
+    floats: list[float],
     ints: list[int],
 ) -> torch.Tensor:
     """``Σ_v π_v²`` per row ``(N,)`` (no gradient)."""
-    cfg = OpConfig.from_op_args(backend, group, temperature_scalar, ints)
+    cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.pi_squared(logits, temperature, cfg)
 
 

@@ -20,6 +20,9 @@ def log_probs_and_entropy_from_hidden(
     ignore_index: int | None = -100,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    vocab_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -36,6 +39,10 @@ def log_probs_and_entropy_from_hidden(
 
     The logits block is computed in the inputs' dtype, as ``hidden @
     weight.T`` would be (a bf16 head gives bf16 logits), then reduced in fp32.
+    Inputs of different dtypes (bf16 hidden states with an fp32 master weight)
+    are promoted to the widest; under ``torch.autocast`` all are cast to the
+    autocast dtype, as ``F.linear`` would be. Either way the gradients reach
+    the original tensors in their own dtypes.
     Gradients flow to ``hidden``, ``weight`` and ``bias`` from whichever outputs
     are used; the weight and bias gradients accumulate in fp32 over all
     tokens (for bf16/fp16 weights in one fp32 buffer of the weight's shape,
@@ -47,10 +54,10 @@ def log_probs_and_entropy_from_hidden(
             is no shift inside. A DTensor runs on each rank's rows (see
             ``docs/fused_head.md``; with a ``Shard(0)`` DTensor ``weight`` the
             head is vocabulary-parallel over that mesh dimension).
-        weight: ``(V, H)`` LM-head (or tied embedding) weight, dtype of ``hidden``.
+        weight: ``(V, H)`` LM-head (or tied embedding) weight, any floating dtype.
         labels: ``(...)`` = ``hidden.shape[:-1]`` integer tensor, values in
             ``[0, V)`` or ``ignore_index``.
-        bias: ``(V,)`` bias of the head in the weight's dtype, or ``None``.
+        bias: ``(V,)`` bias of the head, or ``None``.
         temperature: float > 0, or a tensor broadcastable to ``hidden.shape[:-1]``
             (e.g. one per sequence); the logits are divided by it in fp32. A tensor
             temperature receives no gradient.
@@ -66,6 +73,15 @@ def log_probs_and_entropy_from_hidden(
             8M entries on a CPU, 32M on an accelerator (at most 1/64 or 1/48 of
             the logits). Both change speed and memory only
             (:mod:`rlmath.engine.policy`), results agree to rounding.
+        logit_scale: the head's logits are multiplied by it before the softmax
+            (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``). A float > 0.
+        softcap: ``c > 0`` caps the (scaled) logits to ``c·tanh(z / c)`` (Gemma 2/3's
+            ``final_logit_softcapping``), in fp32, forward and backward; ``None``: no cap.
+            The temperature divides the capped logits.
+        vocab_size: the number of real tokens: rows of ``weight`` from
+            ``vocab_size`` on (a vocabulary padded beyond the tokenizer) are left
+            out of the softmax, as if their logits were ``-inf``, and get a zero
+            gradient. ``None``: every row is a token.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check that every label lies in ``[0, V)`` or equals
             ``ignore_index`` (and that a tensor temperature is positive) with a
@@ -79,13 +95,14 @@ def log_probs_and_entropy_from_hidden(
 
     Raises:
         TypeError: a non-tensor, non-floating ``hidden``/``weight``/``bias``,
-            mismatched dtypes, non-integer ``labels``.
+            non-integer ``labels``.
         ValueError: mismatched shapes or devices, temperature <= 0, chunk sizes < 1.
     """
     return api.fused_head(  # type: ignore[no-any-return]
         hidden, weight, labels, bias=bias, temperature=temperature,
         want_entropy=bool(return_entropy), ignore_index=ignore_index, chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate,
+        vocab_chunk_size=vocab_chunk_size, logit_scale=logit_scale, softcap=softcap,
+        vocab_size=vocab_size, backend=backend, validate=validate,
     )  # fmt: skip
 
 

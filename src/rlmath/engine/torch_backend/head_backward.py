@@ -45,6 +45,8 @@ def head_grad(
     real: int,
     rows: int,
     tile: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(grad_hidden, grad_weight, grad_bias)``, each ``None`` unless ``need`` asks for it.
 
@@ -60,10 +62,13 @@ def head_grad(
         temperature: ``None``, a float or an ``(N,)`` compute-dtype tensor.
         need: gradients wanted for ``(hidden, weight, bias)``.
         real, rows, tile: real weight rows, rows per chunk, entries per tile.
+        scale, softcap: the logit transform (see :meth:`HeadBlocks.transformed`).
     """
     need_h, need_w, need_b = need
     cdt, dev, H = lse.dtype, hidden.device, hidden.shape[1]
-    blocks = HeadBlocks(hidden, weight, bias, labels, owned, live, rows, tile, real, cdt)
+    blocks = HeadBlocks(
+        hidden, weight, bias, labels, owned, live, rows, tile, real, cdt, scale, softcap
+    )
     ws = blocks.ws
     temp = TemperatureColumn(temperature, cdt, dev)
     lse_col = lse.unsqueeze(-1)
@@ -93,9 +98,11 @@ def head_grad(
         if grad_h is not None:
             acc = ws.scratch("gh32", (c, H), cdt) if half_h and not full_h else grad_h[r0:r1]
         for k, (v0, v1) in enumerate(blocks.tile_spans):
-            z = blocks.logits(h, v0, v1)
+            z = blocks.transformed(blocks.logits(h, v0, v1))
             idx, inside = blocks.tile_labels(r0, r1, v0, v1)
-            g = z if z.dtype == cdt else ws.get("g", c)
+            # In place over the logits block when it is already a compute-dtype buffer
+            # of its own; a transformed block is still needed by the chain rule.
+            g = z if z.dtype == cdt and not blocks.transform else ws.get("g", c)
             w_in = torch.where(inside, w[r0:r1], 0.0) if w is not None else None
             for a, b in blocks.slices(c, v0, v1):
                 chunk_grad(
@@ -109,6 +116,8 @@ def head_grad(
                     labels=idx[a:b],
                     temperature=temp.rows(r0 + a, r0 + b),
                 )
+                if blocks.transform:
+                    blocks.chain_rule(g[a:b], z[a:b])
             if lowp:
                 _lowp_matmuls(
                     g,

@@ -31,6 +31,8 @@ class HeadBlocks:
         rows, tile: rows per chunk and vocabulary entries per tile.
         real: weight rows that are real tokens.
         dtype: the compute dtype.
+        scale, softcap: the logit transform ``softcap·tanh(scale·z / softcap)``
+            (``softcap=None``: ``scale·z``; :meth:`transformed`).
     """
 
     def __init__(
@@ -45,6 +47,8 @@ class HeadBlocks:
         tile: int,
         real: int,
         dtype: torch.dtype,
+        scale: float = 1.0,
+        softcap: float | None = None,
     ):
         if live is not None and is_cpu(hidden.device) and bool(live.all()):
             live = None  # nothing to replace: skip the copy of every chunk
@@ -58,6 +62,8 @@ class HeadBlocks:
         # ...and slice-sized scratch for the elementwise passes.
         self.sub = elementwise_rows(c_max, w_max, hidden.device)
         self.small = TileWorkspace(self.sub, w_max, dtype, hidden.device)
+        self.scale, self.softcap = scale, softcap
+        self.transform = scale != 1.0 or softcap is not None
 
     def hidden_rows(self, r0: int, r1: int) -> torch.Tensor:
         """``hidden[r0:r1]``, with the rows of dead (all-ignored) positions replaced by zeros."""
@@ -73,6 +79,29 @@ class HeadBlocks:
         if self.bias is None:
             return torch.mm(h, w, out=out)
         return torch.addmm(self.bias[v0:v1], h, w, out=out)
+
+    def transformed(self, z: torch.Tensor) -> torch.Tensor:
+        """The logits the softmax sees: ``softcap·tanh(scale·z / softcap)`` in the compute dtype.
+
+        ``z`` itself when there is no transform (the passes upcast it element by
+        element); otherwise a compute-dtype block buffer (``"zt"``).
+        """
+        if not self.transform:
+            return z
+        out = torch.mul(z, self.scale, out=self.ws.get("zt", z.shape[0]))
+        if self.softcap is not None:
+            out.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out
+
+    def chain_rule(self, g: torch.Tensor, zt: torch.Tensor) -> torch.Tensor:
+        """``g`` (the gradient w.r.t. :meth:`transformed` logits ``zt``) times their derivative.
+
+        ``d zt / d z = scale·(1 - (zt / softcap)²)``; ``zt`` is overwritten.
+        """
+        if self.softcap is None:
+            return g.mul_(self.scale)
+        factor = zt.div_(self.softcap).square_().mul_(-self.scale).add_(self.scale)
+        return g.mul_(factor)
 
     def slices(self, c: int, v0: int, v1: int) -> list[tuple[int, int]]:
         """Row slices of a ``(c, v1 - v0)`` block for the elementwise passes."""

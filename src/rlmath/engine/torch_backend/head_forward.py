@@ -33,14 +33,19 @@ def head_stats(
     rows: int,
     tile: int,
     dtype: torch.dtype,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(m, s, t, z_labels)`` of every row of the head's logits (see :class:`HeadBlocks`).
 
-    ``z_labels`` ``(N, K)`` are the scaled logits of the owned labels (0 elsewhere).
+    The logits are ``softcap·tanh(scale·(hidden @ weight.T + bias) / softcap) / T``.
+    ``z_labels`` ``(N, K)`` are the logits of the owned labels (0 elsewhere).
     A row without a finite logit gives ``m = -inf, s = t = 0``.
     """
     dev, N = hidden.device, hidden.shape[0]
-    blocks = HeadBlocks(hidden, weight, bias, labels, owned, live, rows, tile, real, dtype)
+    blocks = HeadBlocks(
+        hidden, weight, bias, labels, owned, live, rows, tile, real, dtype, scale, softcap
+    )
     temp = TemperatureColumn(temperature, dtype, dev)
     big = torch.full((N,), float("-inf"), dtype=dtype, device=dev)
     total_s = torch.zeros(N, dtype=dtype, device=dev)
@@ -58,7 +63,7 @@ def head_stats(
         tm, ts = torch.empty_like(zero), torch.empty_like(zero)
         tt = torch.empty_like(zero) if want_entropy else None
         for v0, v1 in blocks.tile_spans:
-            z = blocks.logits(h, v0, v1)
+            z = blocks.transformed(blocks.logits(h, v0, v1))
             idx, inside = blocks.tile_labels(r0, r1, v0, v1)
             z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
             for a, b in blocks.slices(c, v0, v1):
