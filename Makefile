@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rlmath-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,dev,demo]'
+	$(PY) -m pip install -q -e '.[test,dev,demo,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from rlmath._validation import check_optional_int, check_positive_int_or_none, check_temperature
 from rlmath.engine.backends import resolve_backend
 from rlmath.fused_head.from_hidden import log_probs_and_entropy_from_hidden
+from rlmath.fused_head.through_module import swapped_forward
 
 __all__ = ["FusedLMHeadLogProbs"]
 
@@ -20,6 +23,16 @@ class FusedLMHeadLogProbs(nn.Module):
     parameters in ``state_dict()`` nor moves them: ``forward`` reads
     ``head.weight`` and ``head.bias`` at call time, so their gradients land on
     the head's own parameters (tied embeddings included).
+
+    ``forward`` runs the fused computation *as the head's own forward*
+    (:func:`rlmath.fused_head.through_module.swapped_forward`): the hooks a
+    framework put on the head run around it. With FSDP2, a head passed to
+    ``fully_shard`` is gathered for the call and in backward, and its
+    gradients are reduce-scattered, as for ``head(hidden)``; a head sharded only
+    as part of its parent is gathered while the parent's ``forward`` runs, so
+    call this module from inside that forward (``rlmath.hf.response_log_probs``
+    does the equivalent for a whole ``transformers`` model). Under
+    ``torch.compile`` the computation is traced directly, without the swap.
 
     Args:
         head: the ``nn.Linear(H, V)`` LM head.
@@ -75,18 +88,23 @@ class FusedLMHeadLogProbs(nn.Module):
             fp32 (fp64 for fp64 inputs) ``(log_probs, entropy)`` of shape
             ``labels.shape``; see :func:`log_probs_and_entropy_from_hidden`.
         """
-        head = self.head
-        return log_probs_and_entropy_from_hidden(
-            hidden,
-            head.weight,
-            labels,
-            bias=head.bias,
-            temperature=self.temperature if temperature is None else temperature,
-            return_entropy=return_entropy,
-            ignore_index=self.ignore_index,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
+        kw: dict[str, Any] = {
+            "temperature": self.temperature if temperature is None else temperature,
+            "return_entropy": return_entropy,
+            "ignore_index": self.ignore_index,
+            "chunk_size": self.chunk_size,
+            "backend": self.backend,
+        }
+
+        def fused(head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return log_probs_and_entropy_from_hidden(h, head.weight, labels, bias=head.bias, **kw)
+
+        if torch.compiler.is_compiling():
+            # A compiler traces the computation itself (hooks are its business).
+            return fused(self.head, hidden)
+        with swapped_forward(self.head, fused):
+            out: tuple[torch.Tensor, torch.Tensor | None] = self.head(hidden)
+        return out
 
     def extra_repr(self) -> str:
         out, inp = self.head.weight.shape

@@ -1,0 +1,42 @@
+"""FSDP2 (``fully_shard``) on 2 gloo ranks: values and gradients equal the unwrapped model's.
+
+The model, its head, or both are wrapped; ``rlmath.hf.response_log_probs`` and
+``FusedLMHeadLogProbs`` run through the wrapped modules' forward, so FSDP2
+gathers the head's parameters in forward and backward and reduce-scatters
+their gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlmath.distributed import run_distributed
+from tests.hf.models import transformers  # noqa: F401  (skips without transformers)
+
+from .fsdp_workers import worker
+
+pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch.distributed.fsdp)")
+
+# fp32 models: the sharded and unsharded sums round differently (a few ulps).
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(worker, 2)
+
+
+def test_response_log_probs_under_fsdp2(results):
+    for rank in results:
+        for case, diffs in rank.items():
+            worst = max(diffs.values())
+            assert worst < TOL, (case, {k: v for k, v in diffs.items() if v >= TOL})
+    assert {"qwen2-root", "gemma2-root", "llama-head", "llama-both", "granite-both"} <= set(
+        results[0]
+    )
+
+
+def test_fused_module_under_fsdp2(results):
+    for rank in results:
+        for case in ("fused-head", "fused-parent"):
+            assert max(rank[case].values()) < TOL, (case, rank[case])

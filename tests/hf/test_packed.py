@@ -1,0 +1,59 @@
+"""The padding-free (packed) path equals the padded one.
+
+No CPU attention of ``transformers`` separates packed sequences, so the test
+registers one (``varlen_sdpa``: causal attention within each sequence of
+``cu_seq_lens_q``, the keyword flash-attention's varlen path reads) and
+declares it packing-capable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlmath.hf as rhf
+from rlmath.hf import response_log_probs
+from tests.hf.models import batch, model, transformers
+
+R = 6
+
+
+def varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cu = kwargs["cu_seq_lens_q"]
+    out = torch.empty_like(query)
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scaling
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def varlen(monkeypatch):
+    transformers.AttentionInterface.register("varlen_sdpa", varlen_sdpa)
+    monkeypatch.setattr(rhf.response, "PACKED_ATTENTION", rhf.PACKED_ATTENTION | {"varlen_sdpa"})
+    return "varlen_sdpa"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+def test_packed_equals_padded(varlen, name):
+    padded = model(name)
+    packed = model(name, attn_implementation=varlen)
+    packed.load_state_dict(padded.state_dict())
+    ids, mask = batch(response=R)
+    lp, ent = response_log_probs(padded, ids, mask, R, temperature=0.8, packed=False)
+    plp, pent = response_log_probs(packed, ids, mask, R, temperature=0.8)  # packed=None chooses
+    torch.testing.assert_close(plp, lp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(pent, ent, rtol=1e-10, atol=1e-10)
+    (lp.sum() + ent.sum()).backward()
+    (plp.sum() + pent.sum()).backward()
+    # Gemma's RMSNorm computes in fp32 even in an fp64 model, and packing changes the
+    # order of its sums over the batch: its weights' gradients agree to fp32 rounding.
+    tol = 1e-6 if name == "gemma2" else 1e-8
+    for (n, a), (_, b) in zip(padded.named_parameters(), packed.named_parameters()):
+        if a.grad is not None:
+            scale = a.grad.abs().max().item()
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=tol * max(scale, 1.0), msg=n)
