@@ -1,8 +1,8 @@
 """HuggingFace ``transformers`` models: response log-probs and entropy without the logits.
 
-Requires the optional ``transformers`` package (``pip install 'rlmath[hf]'``);
-``import rlmath.hf`` works without it, the functions raise ``ImportError``
-when called on a model without it. See ``docs/hf.md``.
+Works on ``transformers`` models (``pip install 'rlmath[hf]'``) without
+importing ``transformers`` itself: a model is used through its own methods
+(``get_output_embeddings()``, ``config``, ``forward``). See ``docs/hf.md``.
 """
 
 from rlmath.hf.response import PACKED_ATTENTION, HeadSpec, head_of, response_log_probs
