@@ -93,3 +93,40 @@ def test_bad_input_messages():
             ctrl.update(1.0, -1)
         with pytest.raises(TypeError, match="n_steps"):
             ctrl.update(1.0, 2.5)
+
+
+def ref_adaptive_substeps(beta, target, horizon, kl, n):
+    """The Ziegler update applied once per horizon-sized chunk of the n steps."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    while n > horizon:
+        beta *= 1 + error
+        n -= horizon
+    return beta * (1 + error * n / horizon)
+
+
+@pytest.mark.parametrize("n_steps", [49, 50, 51, 100, 1000, 10**6])
+def test_adaptive_coefficient_stays_positive(n_steps):
+    """β ← β·(1 + e·n/horizon) with e = −0.2 is ≤ 0 once n ≥ 5·horizon; sub-steps keep β > 0."""
+    ctrl = AdaptiveKLController(0.1, 0.05, 10)
+    ctrl.update(0.0, n_steps)
+    assert ctrl.value > 0
+    if n_steps <= 1000:  # 0.8^100 is still a normal float
+        want = ref_adaptive_substeps(0.1, 0.05, 10, 0.0, n_steps)
+        assert ctrl.value == pytest.approx(want, rel=1e-12)
+    ctrl.update(1.0, 10)  # and it can still grow again
+    assert ctrl.value > 0
+
+
+def test_adaptive_exactly_five_horizons_is_not_zero():
+    ctrl = AdaptiveKLController(0.1, 0.05, 10)
+    ctrl.update(0.0, 50)
+    assert ctrl.value == pytest.approx(0.1 * 0.8**5, rel=1e-12)
+
+
+def test_adaptive_huge_updates_stay_finite_and_positive():
+    up = AdaptiveKLController(1.0, 0.05, 1)
+    up.update(1e9, 10**7)  # 1.2^(10^7) overflows a float
+    assert 0 < up.value < float("inf")
+    down = AdaptiveKLController(1.0, 0.05, 1)
+    down.update(0.0, 10**7)  # 0.8^(10^7) underflows to 0
+    assert down.value > 0

@@ -9,6 +9,7 @@ the one host sync per step that the update needs.
 
 from __future__ import annotations
 
+import sys
 from numbers import Integral, Real
 
 import torch
@@ -67,6 +68,25 @@ class AdaptiveKLController:
     20 % per ``horizon`` steps. ``n_steps`` is the number of samples (or steps)
     the measurement covers; verl passes the batch size.
 
+    **β stays positive.** The update is one Euler step of
+    ``dβ/dn = e·β/horizon``; taken as one step over ``n_steps > 5·horizon``
+    with ``e = −0.2`` it would make β zero (at exactly 5 horizons, and it
+    stays 0 forever after) or negative (rewarding distance from the
+    reference). So an update that covers more than one horizon is applied as
+    consecutive sub-updates of at most ``horizon`` steps each, i.e. with
+    ``n_steps = q·horizon + r`` (``0 <= r < horizon``)::
+
+        β ← β · (1 + e)^q · (1 + e · r / horizon)
+
+    Each factor lies in ``[0.8, 1.2]``, so β keeps the documented rate limit
+    (at most 20 % per horizon, compounded) and its sign. For
+    ``n_steps <= horizon`` (the usual case: a batch per update and a horizon
+    of thousands of samples) this is exactly the update above, and verl's
+    values. The result is kept inside the positive normal floats
+    (``[sys.float_info.min, sys.float_info.max]``) so that absurdly long
+    updates (``n_steps`` of thousands of horizons) can neither underflow to 0
+    nor overflow to inf. A β of exactly 0 (``init_kl_coef=0``) stays 0.
+
     Args:
         init_kl_coef: initial β, finite, ``>= 0``.
         target_kl: the KL to aim for, ``> 0``.
@@ -88,7 +108,16 @@ class AdaptiveKLController:
         """
         kl, n = _check_update_args(current_kl, n_steps)
         error = min(max(kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + error * n / self.horizon
+        if self.value == 0.0:
+            return
+        # More than one horizon: one Ziegler update per horizon (class docstring).
+        whole, rest = divmod(n, self.horizon) if n > self.horizon else (0, n)
+        try:
+            factor = (1 + error) ** whole
+        except OverflowError:
+            factor = float("inf")
+        value = self.value * factor * (1 + error * rest / self.horizon)
+        self.value = min(max(value, sys.float_info.min), sys.float_info.max)
 
     def __repr__(self) -> str:
         return (
