@@ -10,31 +10,18 @@ the one host sync per step that the update needs.
 from __future__ import annotations
 
 import sys
-from numbers import Integral, Real
 
 import torch
 
-from rlmath._validation import check_in_range
+from rlmath._validation import check_finite_scalar, check_in_range, check_int
 
 __all__ = ["AdaptiveKLController", "FixedKLController"]
 
 
 def _check_update_args(current_kl: object, n_steps: object) -> tuple[float, int]:
-    if isinstance(current_kl, torch.Tensor):
-        if current_kl.numel() != 1:
-            raise ValueError(
-                f"current_kl must be a number or a 1-element tensor, got shape "
-                f"{tuple(current_kl.shape)}"
-            )
-        current_kl = float(current_kl)  # host sync, once per training step
-    elif isinstance(current_kl, Real) and not isinstance(current_kl, bool):
-        current_kl = float(current_kl)  # numpy scalars
-    kl = check_in_range("current_kl", current_kl)
-    if isinstance(n_steps, bool) or not isinstance(n_steps, Integral):
-        raise TypeError(f"n_steps must be an int, got {type(n_steps).__name__}")
-    if n_steps < 0:
-        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-    return kl, int(n_steps)
+    # A tensor current_kl is read with .item(): the one host sync per training step.
+    kl = check_finite_scalar("current_kl", current_kl)
+    return kl, check_int("n_steps", n_steps, 0)
 
 
 class FixedKLController:

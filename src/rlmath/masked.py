@@ -102,7 +102,7 @@ def masked_whiten(
     Shape: ``values`` and ``mask`` ``(*)``; result ``(*)``.
     Dtype: fp32 (fp64 for fp64 inputs).
     """
-    check_in_range("eps", eps, 0.0, None, low_inclusive=False)
+    eps = check_in_range("eps", eps, 0.0, None, low_inclusive=False)
     v, w = _prepare(values, mask)
     mean, var = _moments(v, w, None, unbiased=True)
     whitened = (v - mean) * torch.rsqrt(var + eps)

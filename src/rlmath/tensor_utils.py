@@ -13,7 +13,7 @@ from numbers import Integral, Real
 import torch
 import torch.nn.functional as F
 
-from rlmath._validation import check_tensor
+from rlmath._validation import check_int, check_tensor
 
 __all__ = [
     "clip_by_value",
@@ -24,11 +24,7 @@ __all__ = [
 
 
 def _check_int(name: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
+    return check_int(name, value, low)
 
 
 def _eos_ids(eos_token: object, device: torch.device) -> torch.Tensor:

@@ -104,7 +104,7 @@ def masked_whiten(
 
     Shape: ``values``, ``mask`` ``(*)``; result ``(*)``. Dtype fp32 (fp64 for fp64).
     """
-    check_in_range("eps", eps, 0.0, None, low_inclusive=False)
+    eps = check_in_range("eps", eps, 0.0, None, low_inclusive=False)
     v, w = _prepare(values, mask)
     mean = masked_mean(values, mask, group=group)
     var = masked_var(values, mask, unbiased=True, group=group)

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from rlmath._validation import check_choice, check_mask, check_tensor, result_dtype
+from rlmath._validation import (
+    check_choice,
+    check_in_range,
+    check_int,
+    check_mask,
+    check_tensor,
+    result_dtype,
+)
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "global_batch_info"]
 
@@ -51,11 +58,7 @@ Count = torch.Tensor | int | float | None
 
 
 def check_dp_size(dp_size: object) -> int:
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int):
-        raise TypeError(f"dp_size must be an int, got {type(dp_size).__name__}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    return dp_size
+    return check_int("dp_size", dp_size, 1)
 
 
 def _check_count(name: str, value: Count) -> None:
@@ -119,7 +122,7 @@ def agg_loss(
     check_tensor("loss_mat", loss_mat, floating=True)
     check_mask("loss_mask", loss_mask, "loss_mat", loss_mat)
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    check_dp_size(dp_size)
+    dp_size = check_dp_size(dp_size)
     _check_count("global_num_tokens", global_num_tokens)
     _check_count("global_num_seqs", global_num_seqs)
     if loss_mat.dim() == 0:
@@ -150,10 +153,7 @@ def agg_loss(
                 "(Dr.GRPO divides by a constant: pass the maximum response length; "
                 "verl's fallback to the padded width varies between micro-batches)"
             )
-        if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)):
-            raise TypeError(f"norm_length must be a number, got {type(norm_length).__name__}")
-        if not 0 < norm_length < float("inf"):
-            raise ValueError(f"norm_length must be a finite number > 0, got {norm_length}")
+        norm_length = check_in_range("norm_length", norm_length, 0.0, None, low_inclusive=False)
 
     seq_total = weighted.sum(dim=-1)
     seq_tokens = weight.sum(dim=-1)

@@ -135,7 +135,9 @@ def rollout_correction(
                 f"threshold_high must be > 1 when threshold_low is None in mask mode "
                 f"(the lower bound is 1/threshold_high), got {high}"
             )
-    check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    log_ratio_clamp = check_in_range(
+        "log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False
+    )
 
     dtype = result_dtype(old_log_prob, rollout_log_prob)
     valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
