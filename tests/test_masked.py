@@ -252,3 +252,12 @@ def test_bad_input_errors_name_the_argument():
         masked_var(v, [[1] * 4] * 3)
     with pytest.raises(ValueError, match="eps"):
         masked_whiten(v, torch.ones(3, 4), eps=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("fn", [masked_sum, masked_mean, masked_var, masked_whiten])
+def test_complex_values_are_rejected(fn, dtype):
+    """Complex values used to lose their imaginary part with only a warning."""
+    v = torch.randn(3, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"values must be a real .* got dtype {dtype}"):
+        fn(v, torch.ones(3, 4, dtype=torch.bool))

@@ -65,3 +65,13 @@ def test_bad_input():
         run_distributed(dp_stats_worker, 0, 1, "float64")
     with pytest.raises(TypeError, match="local_tensor"):
         rd.distributed_mean_max_min_std([1.0])
+
+
+def test_complex_values_are_rejected():
+    v = torch.randn(3, 4, dtype=torch.complex64)
+    m = torch.ones(3, 4, dtype=torch.bool)
+    for fn in (rd.masked_sum, rd.masked_mean, rd.masked_var, rd.masked_whiten):
+        with pytest.raises(TypeError, match="values must be a real"):
+            fn(v, m)
+    with pytest.raises(TypeError, match="local_tensor must be a real"):
+        rd.distributed_mean_max_min_std(v, mask=m)

@@ -31,7 +31,7 @@ __all__ = [
 
 
 def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    check_tensor("values", values)
+    check_tensor("values", values, real=True)
     check_mask("mask", mask, "values", values)
     dtype = result_dtype(values)
     valid = mask if mask.dtype == torch.bool else mask != 0
@@ -131,7 +131,7 @@ def distributed_mean_max_min_std(
     detached 0-d tensors (fp32, fp64 for fp64 input).
     Shape: ``local_tensor`` ``(*)``; ``mask`` ``(*)`` or None.
     """
-    check_tensor("local_tensor", local_tensor)
+    check_tensor("local_tensor", local_tensor, real=True)
     if mask is None:
         mask = torch.ones_like(local_tensor, dtype=torch.bool)
     v, w = _prepare(local_tensor.detach(), mask)
