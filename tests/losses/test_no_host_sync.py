@@ -1,15 +1,12 @@
 """Nothing in the loss path reads a tensor back to the host.
 
 On CPU a host sync cannot be observed, so every Python-level way of turning
-tensor data into host values (``bool()``, ``int()``, ``float()``, ``.item()``,
-``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing) is
-made to raise while the functions run. On CUDA the same calls also run under
+tensor data into host values is made to raise while the functions run
+(``tests/host_sync.py``). On CUDA the same calls also run under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -26,53 +23,8 @@ from rlmath import (
     rollout_correction,
 )
 
+from ..host_sync import HostSync, forbid_host_reads
 from .helpers import LOSS_KWARGS, MODES, policy_batch
-
-
-class HostSync(AssertionError):
-    pass
-
-
-@contextlib.contextmanager
-def forbid_host_reads():
-    def refuse(name):
-        def method(*args, **kwargs):
-            raise HostSync(f"Tensor.{name} reads device data on the host")
-
-        return method
-
-    names = [
-        "__bool__",
-        "__int__",
-        "__float__",
-        "__index__",
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "nonzero",
-    ]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-    saved_getitem = torch.Tensor.__getitem__
-    saved_nonzero = torch.nonzero
-
-    def getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-            raise HostSync("boolean-mask indexing has a data-dependent shape")
-        return saved_getitem(self, index)
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, refuse(n))
-        torch.Tensor.__getitem__ = getitem
-        torch.nonzero = refuse("nonzero")
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        torch.Tensor.__getitem__ = saved_getitem
-        torch.nonzero = saved_nonzero
 
 
 def test_the_guard_catches_syncs():
@@ -83,6 +35,8 @@ def test_the_guard_catches_syncs():
             lambda: bool(x.any()),
             lambda: x[x > 0],
             lambda: float(x[0]),
+            lambda: torch.unique(x),
+            lambda: x.unique(return_inverse=True),
         ):
             with pytest.raises(HostSync):
                 bad()
