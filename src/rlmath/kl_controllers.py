@@ -5,11 +5,17 @@ float) and an ``update(current_kl, n_steps)`` method, so a trainer can swap
 one for the other. They run once per training step, outside the tensor math:
 ``current_kl`` may be a 0-d tensor, and reading it with ``float()`` here is
 the one host sync per step that the update needs.
+
+Like an optimizer or an LR scheduler, each controller has ``state_dict()``
+(a plain dict of Python floats, to save with the checkpoint) and
+``load_state_dict(state)`` (restores it, after checking every entry), so a
+resumed run continues with the β it stopped at.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -22,6 +28,32 @@ def _check_update_args(current_kl: object, n_steps: object) -> tuple[float, int]
     # A tensor current_kl is read with .item(): the one host sync per training step.
     kl = check_finite_scalar("current_kl", current_kl)
     return kl, check_int("n_steps", n_steps, 0)
+
+
+def _checked_state(
+    owner: str, state: object, checks: Mapping[str, Callable[[str, object], float]]
+) -> dict[str, float]:
+    """The entries of ``state`` checked by ``checks`` (one per key, no key missing or extra)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"{owner}.load_state_dict expects a dict (from state_dict()), got {type(state).__name__}"
+        )
+    missing = sorted(set(checks) - set(state))
+    unexpected = sorted(str(k) for k in set(state) - set(checks))
+    if missing or unexpected:
+        raise ValueError(
+            f"{owner}.load_state_dict: state_dict keys must be {sorted(checks)}; "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    return {k: check(f"state_dict[{k!r}]", state[k]) for k, check in checks.items()}
+
+
+def _coef(name: str, value: object) -> float:
+    return check_in_range(name, value, 0.0, None)
+
+
+def _positive(name: str, value: object) -> float:
+    return check_in_range(name, value, 0.0, None, low_inclusive=False)
 
 
 class FixedKLController:
@@ -37,6 +69,14 @@ class FixedKLController:
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
         """Validate the arguments like :class:`AdaptiveKLController` does; β stays fixed."""
         _check_update_args(current_kl, n_steps)
+
+    def state_dict(self) -> dict[str, float]:
+        """``{"value": β}``, a new dict of Python floats."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output; bad keys or values raise before anything changes."""
+        self.value = _checked_state(type(self).__name__, state_dict, {"value": _coef})["value"]
 
     def __repr__(self) -> str:
         return f"FixedKLController(kl_coef={self.value!r})"
@@ -105,6 +145,20 @@ class AdaptiveKLController:
             factor = float("inf")
         value = self.value * factor * (1 + error * rest / self.horizon)
         self.value = min(max(value, sys.float_info.min), sys.float_info.max)
+
+    def state_dict(self) -> dict[str, float]:
+        """``{"value": β, "target": target_kl, "horizon": horizon}``, a new dict of floats."""
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output; bad keys or values raise before anything changes.
+
+        ``value`` must be a finite number ``>= 0``, ``target`` and ``horizon``
+        finite and ``> 0`` (the constructor's rules).
+        """
+        checks = {"value": _coef, "target": _positive, "horizon": _positive}
+        state = _checked_state(type(self).__name__, state_dict, checks)
+        self.value, self.target, self.horizon = state["value"], state["target"], state["horizon"]
 
     def __repr__(self) -> str:
         return (
