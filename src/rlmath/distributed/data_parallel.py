@@ -58,7 +58,8 @@ def _check_same_dtype(
     which crashes gloo (SIGABRT) or corrupts NCCL's result. One all-reduce
     (MAX) of two int64 codes, ``[c, −c]``, gives every rank the largest and
     the smallest code; it cannot hang, since every rank makes it whatever
-    its dtype.
+    its dtype. Shapes are not exchanged: they may differ between ranks by
+    design, every collective here being on 0-d sums.
     """
     if not is_distributed(group):
         return
