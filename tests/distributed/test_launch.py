@@ -5,7 +5,6 @@ every worker process is gone afterwards.
 """
 
 import datetime
-import os
 
 import pytest
 import torch.multiprocessing as mp
@@ -15,35 +14,40 @@ from rlmath.distributed import init_from_env, run_distributed
 from .launch_workers import missing_rank_worker, ok_worker, sleep_worker
 
 
-def _pids(pid_dir):
-    return [int((pid_dir / name).read_text()) for name in sorted(os.listdir(pid_dir))]
+@pytest.fixture
+def contexts(monkeypatch):
+    """The process contexts run_distributed starts, to check afterwards that no worker lives."""
+    import rlmath.distributed.launch as launch
+
+    started = []
+    real = launch.mp.start_processes
+
+    def start_processes(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch.mp, "start_processes", start_processes)
+    return started
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _all_gone(started):
+    procs = [p for ctx in started for p in ctx.processes]
+    return bool(procs) and all(not p.is_alive() and p.exitcode is not None for p in procs)
 
 
-def test_ranks_that_never_finish_time_out_and_are_terminated(tmp_path):
+def test_ranks_that_never_finish_time_out_and_are_terminated(contexts):
     with pytest.raises(
         TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after timeout=5 s"
     ):
-        run_distributed(sleep_worker, 2, str(tmp_path), timeout=5)
-    pids = _pids(tmp_path)
-    assert len(pids) == 2
-    assert not any(_alive(p) for p in pids)
+        run_distributed(sleep_worker, 2, timeout=5)
+    assert _all_gone(contexts)
 
 
-def test_a_rank_missing_from_a_collective_fails_the_call(tmp_path):
+def test_a_rank_missing_from_a_collective_fails_the_call(contexts):
     """The waiting rank hits the collective timeout or the call's own deadline, whichever first."""
     with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
-        run_distributed(missing_rank_worker, 2, str(tmp_path), timeout=5)
-    pids = _pids(tmp_path)
-    assert len(pids) == 2
-    assert not any(_alive(p) for p in pids)
+        run_distributed(missing_rank_worker, 2, timeout=5)
+    assert _all_gone(contexts)
 
 
 def test_timeout_none_and_timedelta_still_run():
