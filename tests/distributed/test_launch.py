@@ -37,16 +37,16 @@ def _all_gone(started):
 
 def test_ranks_that_never_finish_time_out_and_are_terminated(contexts):
     with pytest.raises(
-        TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after timeout=5 s"
+        TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after timeout=3 s"
     ):
-        run_distributed(sleep_worker, 2, timeout=5)
+        run_distributed(sleep_worker, 2, timeout=3)
     assert _all_gone(contexts)
 
 
 def test_a_rank_missing_from_a_collective_fails_the_call(contexts):
     """The waiting rank hits the collective timeout or the call's own deadline, whichever first."""
     with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
-        run_distributed(missing_rank_worker, 2, timeout=5)
+        run_distributed(missing_rank_worker, 2, timeout=3)
     assert _all_gone(contexts)
 
 
