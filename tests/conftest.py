@@ -1,4 +1,15 @@
-"""Shared test settings: hypothesis profiles and deterministic torch."""
+"""Shared test settings: hypothesis profiles and deterministic torch.
+
+Profiles (``HYPOTHESIS_PROFILE`` picks one):
+
+* ``default``: random examples (a new seed each run), 40 per test; locally a
+  failure is stored in ``.hypothesis/`` (git-ignored) and replayed first.
+* ``ci``: the same 40 examples on every run (``derandomize=True``) and no
+  example database, so nothing replays from an earlier run: CI results are
+  reproducible. Chosen automatically when the ``CI`` environment variable is
+  set (as CI services do), unless ``HYPOTHESIS_PROFILE`` names another one.
+* ``thorough``: 400 random examples per test.
+"""
 
 import os
 
@@ -11,7 +22,18 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+settings.register_profile(
+    "ci", parent=settings.get_profile("default"), derandomize=True, database=None
+)
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=400)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _profile() -> str:
+    if os.environ.get("HYPOTHESIS_PROFILE"):
+        return os.environ["HYPOTHESIS_PROFILE"]
+    return "ci" if os.environ.get("CI") else "default"
+
+
+settings.load_profile(_profile())
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

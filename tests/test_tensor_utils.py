@@ -94,6 +94,13 @@ def test_response_mask_other_shapes_and_purity():
 def test_response_mask_bad_input():
     with pytest.raises(TypeError, match="response_id"):
         get_response_mask(torch.rand(2, 3))
+    # bool ids used to fail inside torch.isin without naming the argument
+    with pytest.raises(
+        TypeError, match=r"response_id must be an integer tensor, got dtype torch.bool"
+    ):
+        get_response_mask(torch.tensor([[True, False]]), 1)
+    with pytest.raises(TypeError, match=r"response_id .* got dtype torch.complex64"):
+        get_response_mask(torch.ones(2, 3, dtype=torch.complex64))
     with pytest.raises(TypeError, match="response_id"):
         get_response_mask([[1, 2]])
     with pytest.raises(ValueError, match="response_id"):

@@ -1,16 +1,28 @@
 """Argument checks shared by every public function.
 
 Each check raises ``TypeError`` or ``ValueError`` with a message that names the
-argument, what was expected and what was received. Checks look at shapes,
-dtypes and Python scalars only: none of them reads tensor data, so none of them
+argument, what was expected and what was received. Tensor checks look at
+shapes and dtypes only: none of them reads tensor data, so none of them
 synchronizes with an accelerator.
+
+**Scalars.** Wherever a real number is expected, :func:`check_finite_scalar`
+(and :func:`check_in_range` on top of it) accepts a Python ``int``/``float``,
+any ``numbers.Real`` (numpy scalars such as ``np.float32``), a 0-d numpy
+array, or a one-element real tensor; :func:`check_int` does the same for
+integers (``numbers.Integral``: ``np.int64``, ...; one-element integer
+tensors). ``bool`` is never a number here. The value is returned as a Python
+``float``/``int``: a tensor is read once with ``.item()``, which for a tensor
+on an accelerator is a host sync. Functions that can keep a tensor scalar on
+the device (``compute_rewards``' ``kl_coef``, ``agg_loss``'s global counts)
+do so instead and say it in their docstrings.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Sequence
+from numbers import Integral, Real
+from typing import Any
 
 import torch
 
@@ -19,6 +31,7 @@ __all__ = [
     "check_finite_scalar",
     "check_in_range",
     "check_index_tensor",
+    "check_int",
     "check_label_values",
     "check_labels",
     "check_logits",
@@ -32,12 +45,18 @@ __all__ = [
 ]
 
 
-def check_tensor(name: str, x: object, *, floating: bool = False) -> torch.Tensor:
-    """Raise ``TypeError`` unless ``x`` is a tensor (a floating one if asked)."""
+def check_tensor(
+    name: str, x: object, *, floating: bool = False, real: bool = False
+) -> torch.Tensor:
+    """Raise ``TypeError`` unless ``x`` is a tensor (floating, or real = not complex, if asked)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if real and x.is_complex():
+        raise TypeError(
+            f"{name} must be a real (bool, integer or floating) tensor, got dtype {x.dtype}"
+        )
     return x
 
 
@@ -68,13 +87,83 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     return value
 
 
+def _scalar_kind(value: object) -> str:
+    """``"int"``, ``"real"`` or ``""`` (not a number) for a scalar-like ``value``.
+
+    Python and numpy scalars by their ``numbers`` ABC (``bool`` and
+    ``np.bool_`` are not numbers here), 0-d numpy arrays and one-element
+    tensors by their dtype.
+    """
+    if isinstance(value, bool):
+        return ""
+    if isinstance(value, Integral):
+        return "int"
+    if isinstance(value, Real):
+        return "real"
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            return ""
+        return "real" if value.is_floating_point() else "int"
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        kind = getattr(getattr(value, "dtype", None), "kind", "")
+        return "int" if kind in "iu" else "real" if kind == "f" else ""
+    return ""
+
+
+def _scalar_value(name: str, value: Any) -> Any:
+    """The number held by a scalar-like ``value`` (a tensor is read: a host sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a one-element tensor, got a tensor of shape "
+                f"{tuple(value.shape)}"
+            )
+        return value.item()  # a host sync for a tensor on an accelerator
+    item = getattr(value, "item", None)  # numpy scalars and 0-d arrays
+    return item() if callable(item) else value
+
+
 def check_finite_scalar(name: str, value: object) -> float:
-    """A Python (or 0-d tensor-free) real number that is finite."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
+    """A finite real number, returned as a Python ``float``.
+
+    Accepts Python and numpy scalars (``numbers.Real``, never ``bool``), 0-d
+    numpy arrays and one-element real tensors (read with ``.item()``: a host
+    sync on an accelerator).
+    """
+    if not _scalar_kind(value):
+        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    v = float(_scalar_value(name, value))
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """An integer inside ``[low, high]`` (either end optional), returned as a Python ``int``.
+
+    Accepts Python and numpy integers (``numbers.Integral``, never ``bool``),
+    0-d integer numpy arrays and one-element integer tensors (read with
+    ``.item()``: a host sync on an accelerator). Floats, even integral ones
+    such as ``2.0``, are rejected.
+    """
+    if _scalar_kind(value) != "int":
+        raise TypeError(f"{name} must be an int, got {_describe(value)}")
+    v = int(_scalar_value(name, value))
+    if (low is not None and v < low) or (high is not None and v > high):
+        if high is None:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
+        if low is None:
+            raise ValueError(f"{name} must be <= {high}, got {v}")
+        raise ValueError(f"{name} must be in [{low}, {high}], got {v}")
+    return v
+
+
+def _describe(value: object) -> str:
+    """The type of a rejected value, with the dtype for tensors and arrays."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, torch.Tensor) or (type(value).__module__ == "numpy" and dtype is not None):
+        return f"{type(value).__name__} of dtype {dtype}"
+    return type(value).__name__
 
 
 def check_in_range(
@@ -169,21 +258,14 @@ def check_label_values(
         raise ValueError(f"{name} must lie in [0, {vocab}) (the vocabulary){also}, found {bad}")
 
 
-def check_optional_int(name: str, value: object) -> int | None:
-    """``None`` or an integer (Python or numpy; never a bool)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    return int(value)
+def check_optional_int(name: str, value: object, low: int | None = None) -> int | None:
+    """``None``, or an integer ``>= low`` as :func:`check_int` accepts it."""
+    return None if value is None else check_int(name, value, low)
 
 
 def check_positive_int_or_none(name: str, value: object) -> int | None:
     """``None`` or an integer ``>= 1``."""
-    v = check_optional_int(name, value)
-    if v is not None and v < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {v}")
-    return v
+    return check_optional_int(name, value, 1)
 
 
 def check_temperature(
@@ -197,7 +279,7 @@ def check_temperature(
 ) -> tuple[torch.Tensor | None, float]:
     """A temperature as ``(tensor or None, scalar)``.
 
-    A float (Python or numpy, or a 0-d CPU tensor) must be finite and > 0:
+    A number (Python or numpy scalar, 0-d numpy array) must be finite and > 0:
     ``(None, value)``. A tensor must be real and broadcastable to ``batch``
     (called ``shape_name`` in errors); it is returned detached and unchanged
     (``(tensor, 1.0)``; it receives no gradient), and its values are checked
@@ -221,11 +303,9 @@ def check_temperature(
         if validate and t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
         return t, 1.0
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(
-            f"temperature must be a float or a tensor, got {type(temperature).__name__}"
-        )
-    value = float(temperature)
+    if not _scalar_kind(temperature):
+        raise TypeError(f"temperature must be a float or a tensor, got {_describe(temperature)}")
+    value = float(_scalar_value("temperature", temperature))
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     return None, value

@@ -11,13 +11,19 @@ from pathlib import Path
 __all__ = ["build_parser", "main"]
 
 
-def _number(kind: Callable[[str], float], low: float, *, inclusive: bool) -> Callable[[str], float]:
-    """An argparse ``type`` that parses with ``kind`` and checks ``> low`` (or ``>=``)."""
+def _number(
+    kind: Callable[[str], float],
+    low: float,
+    high: float,
+    *,
+    inclusive: bool = True,
+) -> Callable[[str], float]:
+    """An argparse ``type``: parse with ``kind``, then check ``low < value`` (or ``<=``) ``<= high``."""
 
     def parse(text: str) -> float:
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
             ) from None
@@ -27,15 +33,37 @@ def _number(kind: Callable[[str], float], low: float, *, inclusive: bool) -> Cal
             raise argparse.ArgumentTypeError(
                 f"must be {'>=' if inclusive else '>'} {low:g}, got {text}"
             )
+        if value > high:
+            bound = f"{int(high)}" if kind is int else f"{high:g}"
+            raise argparse.ArgumentTypeError(f"must be <= {bound}, got {text}")
         return value
 
     return parse
 
 
-_pos_int = _number(int, 1, inclusive=True)
-_nonneg_int = _number(int, 0, inclusive=True)
-_pos_float = _number(float, 0.0, inclusive=False)
-_nonneg_float = _number(float, 0.0, inclusive=True)
+def _range(low: float, high: float, *, inclusive: bool = True) -> str:
+    return f"{'[' if inclusive else '('}{low:g}, {high:g}]"
+
+
+# Upper bounds that keep a run meaningful on the machines the demo targets: a
+# step takes about 0.3-0.7 s at the defaults, a rollout row about 25 tokens,
+# and larger values only end in an out-of-memory error, a run of days, or a
+# diverged policy. Each is listed in ``rlmath demo --help`` and docs/demo.md.
+MAX_STEPS = 100_000
+MAX_BATCH_SIZE = 4096
+MAX_GROUP_SIZE = 64
+#: Rollout rows per step: batch size (PPO) or batch size × group size (GRPO).
+MAX_ROWS = 4096
+MAX_LR = 1.0
+MAX_KL_COEF = 100.0
+MAX_SEED = 2**32 - 1
+MAX_PPO_EPOCHS = 100
+MAX_CLIP_RATIO = 1.0
+MAX_ENTROPY_COEF = 10.0
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MAX_WARMUP_STEPS = 100_000
+MAX_THREADS = 256
+MAX_DIGITS = 10
 
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
@@ -46,33 +74,62 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--algo", choices=ALGOS, default=d.algo, help="RL algorithm (default: %(default)s)"
     )
-    p.add_argument("--steps", type=_pos_int, help=f"RL steps (default: {d.steps})")
-    batch = ", ".join(f"{ALGO_DEFAULTS[a]['batch_size']} for {a}" for a in ALGOS)
-    p.add_argument("--batch-size", type=_pos_int, help=f"prompts per step (default: {batch})")
     p.add_argument(
-        "--group-size",
-        type=_pos_int,
-        default=d.group_size,
-        help="GRPO: responses per prompt, >= 2 (default: %(default)s)",
+        "--steps",
+        type=_number(int, 1, MAX_STEPS),
+        help=f"RL steps, in {_range(1, MAX_STEPS)} (default: {d.steps})",
     )
-    p.add_argument("--lr", type=_pos_float, help=f"peak policy learning rate (default: {d.lr:g})")
+    batch = ", ".join(f"{ALGO_DEFAULTS[a]['batch_size']} for {a}" for a in ALGOS)
     p.add_argument(
-        "--kl-coef",
-        type=_nonneg_float,
+        "--batch-size",
+        type=_number(int, 1, MAX_BATCH_SIZE),
         help=(
-            "PPO: initial coefficient of the adaptive KL reward penalty; GRPO: coefficient "
-            f"of the k3 KL loss (default: {d.kl_coef:g})"
+            f"prompts per step, in {_range(1, MAX_BATCH_SIZE)}; with GRPO batch size x group "
+            f"size must be <= {MAX_ROWS} (default: {batch})"
         ),
     )
     p.add_argument(
-        "--seed", type=_nonneg_int, default=d.seed, help="random seed (default: %(default)s)"
+        "--group-size",
+        type=_number(int, 1, MAX_GROUP_SIZE),
+        default=d.group_size,
+        help=f"GRPO: responses per prompt, in [2, {MAX_GROUP_SIZE}] (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=_number(float, 0.0, MAX_LR, inclusive=False),
+        help=f"peak policy learning rate, in {_range(0, MAX_LR, inclusive=False)} "
+        f"(default: {d.lr:g})",
+    )
+    p.add_argument(
+        "--kl-coef",
+        type=_number(float, 0.0, MAX_KL_COEF),
+        help=(
+            "PPO: initial coefficient of the adaptive KL reward penalty; GRPO: coefficient "
+            f"of the k3 KL loss; in {_range(0, MAX_KL_COEF)} (default: {d.kl_coef:g})"
+        ),
+    )
+    p.add_argument(
+        "--seed",
+        type=_number(int, 0, MAX_SEED),
+        default=d.seed,
+        help="random seed, in [0, 2^32 - 1] (default: %(default)s)",
     )
     p.add_argument(
         "--device",
         default=d.device,
         help="torch device: cpu, cuda, cuda:N (default: %(default)s)",
     )
-    p.add_argument("--out", type=Path, help="output folder (default: runs/demo-<algo>)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder, created if missing; it must not hold a previous run unless "
+        "--overwrite is given (default: runs/demo-<algo>)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the metrics.jsonl and curves.png of a previous run in --out",
+    )
     p.add_argument(
         "--model",
         choices=MODEL_KINDS,
@@ -80,55 +137,60 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         help="tiny (defined in rlmath.demo) or hf-tiny (needs transformers)",
     )
     p.add_argument(
-        "--threads", type=_pos_int, help="torch CPU threads (default: 1, the fastest at this size)"
+        "--threads",
+        type=_number(int, 1, MAX_THREADS),
+        help=f"torch CPU threads, in {_range(1, MAX_THREADS)} (default: 1, the fastest at "
+        "this size)",
     )
     p.add_argument(
         "--ppo-epochs",
-        type=_pos_int,
+        type=_number(int, 1, MAX_PPO_EPOCHS),
         default=d.ppo_epochs,
-        help="passes over each rollout (default: %(default)s)",
+        help=f"passes over each rollout, in {_range(1, MAX_PPO_EPOCHS)} (default: %(default)s)",
     )
     p.add_argument(
         "--mini-batches",
-        type=_pos_int,
+        type=_number(int, 1, MAX_ROWS),
         default=d.mini_batches,
-        help="optimizer steps per pass (default: %(default)s)",
+        help="optimizer steps per pass, at most the rollout rows per step (default: %(default)s)",
     )
     p.add_argument(
         "--clip-ratio",
-        type=_pos_float,
+        type=_number(float, 0.0, MAX_CLIP_RATIO, inclusive=False),
         default=d.clip_ratio,
-        help="PPO clip ε (default: %(default)s)",
+        help=f"PPO clip ε, in {_range(0, MAX_CLIP_RATIO, inclusive=False)} (default: %(default)s)",
     )
     p.add_argument(
         "--entropy-coef",
-        type=_nonneg_float,
+        type=_number(float, 0.0, MAX_ENTROPY_COEF),
         default=d.entropy_coef,
-        help="entropy bonus coefficient (default: %(default)s)",
+        help=f"entropy bonus coefficient, in {_range(0, MAX_ENTROPY_COEF)} (default: %(default)s)",
     )
     p.add_argument(
         "--temperature",
-        type=_pos_float,
+        type=_number(float, MIN_TEMPERATURE, MAX_TEMPERATURE),
         default=d.temperature,
-        help="sampling temperature (default: %(default)s)",
+        help=f"sampling temperature, in {_range(MIN_TEMPERATURE, MAX_TEMPERATURE)} "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--warmup-steps",
-        type=_nonneg_int,
+        type=_number(int, 0, MAX_WARMUP_STEPS),
         default=d.warmup_steps,
-        help="supervised format warm-up steps before RL, 0 to skip (default: %(default)s)",
+        help=f"supervised format warm-up steps before RL, in {_range(0, MAX_WARMUP_STEPS)}, "
+        "0 to skip (default: %(default)s)",
     )
     p.add_argument(
         "--min-len",
-        type=_pos_int,
+        type=_number(int, 1, MAX_DIGITS),
         default=d.min_len,
-        help="fewest digits in a prompt (default: %(default)s)",
+        help=f"fewest digits in a prompt, in {_range(1, MAX_DIGITS)} (default: %(default)s)",
     )
     p.add_argument(
         "--max-len",
-        type=_pos_int,
+        type=_number(int, 1, MAX_DIGITS),
         default=d.max_len,
-        help="most digits in a prompt (default: %(default)s)",
+        help=f"most digits in a prompt, in {_range(1, MAX_DIGITS)} (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -144,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a tiny language model with PPO or GRPO on CPU, using rlmath for the math",
         description=(
             "Train a tiny transformer language model to sort digits with PPO or GRPO. "
-            "Writes metrics.jsonl and curves.png to --out."
+            "Writes metrics.jsonl and curves.png to --out. Every numeric flag is checked "
+            "against the range shown before any work starts; a run whose losses turn "
+            "NaN or infinite stops (exit status 1) and keeps the metrics of the finished steps."
         ),
     )
     _add_demo_args(demo)
@@ -165,8 +229,6 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         parser.error("--group-size must be >= 2 for grpo (advantages compare responses in a group)")
     if args.min_len > args.max_len:
         parser.error(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
-    if args.max_len > 10:
-        parser.error(f"--max-len must be <= 10, got {args.max_len}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -185,6 +247,7 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         seed=args.seed,
         device=args.device,
         out=args.out,
+        overwrite=args.overwrite,
         model=args.model,
         threads=args.threads,
         progress=not args.no_progress,
@@ -198,6 +261,11 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         temperature=args.temperature,
     )
     n_rows = cfg.batch_size * (cfg.group_size if args.algo == "grpo" else 1)
+    if n_rows > MAX_ROWS:
+        parser.error(
+            f"--batch-size x --group-size ({cfg.batch_size} x {cfg.group_size} = {n_rows} "
+            f"rollout rows per step) must be <= {MAX_ROWS}"
+        )
     if cfg.mini_batches > n_rows:
         parser.error(f"--mini-batches ({cfg.mini_batches}) exceeds the rows per step ({n_rows})")
     return cfg
@@ -209,15 +277,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         cfg = _demo_config(args, parser)
-        from rlmath.demo.runner import run_demo
+        from rlmath.demo.runner import DemoOutputError, run_demo
 
         try:
             result = run_demo(cfg)
+        except DemoOutputError as err:
+            # Raised before any work: the output folder is checked first.
+            parser.error(f"--out: {err}")
         except KeyboardInterrupt:
             # Ctrl-C outside the RL loop (set-up, warm-up, final evaluation):
             # the loop itself stops cleanly and keeps its metrics.
             print("\nrlmath demo: interrupted", file=sys.stderr)
             return 130
+        if result.diverged:
+            print(f"rlmath demo: training diverged at {result.diverged}", file=sys.stderr)
+            return 1
         return 130 if result.interrupted else 0
     parser.print_help()
     return 2

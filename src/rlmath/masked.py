@@ -7,7 +7,9 @@ holds NaN or inf, because values are selected with ``torch.where`` before any
 arithmetic. NaN on a valid position propagates.
 
 Results are fp32 (fp64 for fp64 inputs) whatever the input dtype, and an empty
-mask gives 0, never NaN, in every dtype.
+mask gives 0, never NaN, in every dtype. ``values`` may be bool, integer or
+floating; complex values raise ``TypeError`` (their imaginary part would be
+dropped).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ Axis = int | tuple[int, ...] | None
 
 def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid values (0 elsewhere) and weights (0 elsewhere), both in the result dtype."""
-    check_tensor("values", values)
+    check_tensor("values", values, real=True)
     check_mask("mask", mask, "values", values)
     dtype = result_dtype(values)
     valid = mask if mask.dtype == torch.bool else mask != 0
@@ -102,7 +104,7 @@ def masked_whiten(
     Shape: ``values`` and ``mask`` ``(*)``; result ``(*)``.
     Dtype: fp32 (fp64 for fp64 inputs).
     """
-    check_in_range("eps", eps, 0.0, None, low_inclusive=False)
+    eps = check_in_range("eps", eps, 0.0, None, low_inclusive=False)
     v, w = _prepare(values, mask)
     mean, var = _moments(v, w, None, unbiased=True)
     whitened = (v - mean) * torch.rsqrt(var + eps)

@@ -21,22 +21,16 @@ out-of-place ``index_copy`` (backward gathers). The data keeps its dtype.
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 import torch.nn.functional as F
 
-from rlmath._validation import check_tensor
+from rlmath._validation import check_int, check_tensor
 
 __all__ = ["cu_seqlens", "index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 
 def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return check_int(name, value, 0)
 
 
 def _check_indices(indices: object) -> torch.Tensor:

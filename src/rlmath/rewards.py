@@ -38,8 +38,9 @@ def compute_rewards(
         token_level_scores: reward-model scores per token. Shape ``(B, T)``, float.
         old_log_prob: Shape ``(B, T)``, float.
         ref_log_prob: Shape ``(B, T)``, float.
-        kl_coef: β, a finite Python number ``>= 0`` (e.g. a KL controller's
-            ``.value``) or a float tensor broadcastable to ``(B, T)``.
+        kl_coef: β, a finite number ``>= 0`` (Python or numpy; e.g. a KL
+            controller's ``.value``) or a float tensor broadcastable to
+            ``(B, T)``, a 0-d one included, which stays on the device (no sync).
         estimator: any name of :data:`rlmath.KL_ESTIMATORS` (default ``"k1"``).
         response_mask: None (every position valid) or ``(B, T)`` bool/0-1,
             nonzero = valid.

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import functools
 import math
-from numbers import Integral
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from rlmath._validation import check_in_range
+from rlmath._validation import check_in_range, check_int
 
 __all__ = [
     "constant_schedule_lambda",
@@ -37,11 +36,7 @@ __all__ = [
 
 
 def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return check_int(name, value, 0)
 
 
 def _check_optimizer(optimizer: object) -> None:
@@ -52,8 +47,7 @@ def _check_optimizer(optimizer: object) -> None:
 
 
 def _check_last_epoch(last_epoch: object) -> int:
-    if isinstance(last_epoch, bool) or not isinstance(last_epoch, Integral):
-        raise TypeError(f"last_epoch must be an int, got {type(last_epoch).__name__}")
+    last_epoch = check_int("last_epoch", last_epoch)
     if last_epoch < -1:
         raise ValueError(f"last_epoch must be >= -1 (-1 = start fresh), got {last_epoch}")
     return int(last_epoch)

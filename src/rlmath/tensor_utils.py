@@ -13,7 +13,7 @@ from numbers import Integral, Real
 import torch
 import torch.nn.functional as F
 
-from rlmath._validation import check_tensor
+from rlmath._validation import check_int, check_tensor
 
 __all__ = [
     "clip_by_value",
@@ -24,11 +24,7 @@ __all__ = [
 
 
 def _check_int(name: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
+    return check_int(name, value, low)
 
 
 def _eos_ids(eos_token: object, device: torch.device) -> torch.Tensor:
@@ -66,8 +62,8 @@ def get_response_mask(
     ``cumsum(is_eos) − is_eos == 0``, one pass with no loop over rows.
 
     Args:
-        response_id: integer token ids. Shape ``(..., T)``, time on the last
-            dimension (``(B, T)`` in practice).
+        response_id: integer token ids (not bool, float or complex). Shape
+            ``(..., T)``, time on the last dimension (``(B, T)`` in practice).
         eos_token: an int, a list/tuple of ints, or an integer tensor of ids.
         dtype: dtype of the result (verl's default ``torch.int64``; ``torch.bool``
             works too).
@@ -76,7 +72,11 @@ def get_response_mask(
         Shape of ``response_id``, dtype ``dtype``; 1 = valid.
     """
     check_tensor("response_id", response_id)
-    if response_id.is_floating_point() or response_id.is_complex():
+    if (
+        response_id.is_floating_point()
+        or response_id.is_complex()
+        or response_id.dtype == torch.bool
+    ):
         raise TypeError(f"response_id must be an integer tensor, got dtype {response_id.dtype}")
     if response_id.dim() == 0:
         raise ValueError("response_id must have at least one dimension (time), got a 0-d tensor")

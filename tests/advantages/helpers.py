@@ -66,3 +66,19 @@ def grouped_batch(seed: int, *, t: int = 9, dtype: torch.dtype = torch.float64):
 def junk_under_mask(x: torch.Tensor, mask: torch.Tensor, junk: float) -> torch.Tensor:
     """``x`` with every masked position replaced by ``junk`` (NaN, inf, 1e30, …)."""
     return torch.where(mask, x, torch.full_like(x, junk))
+
+
+#: Unit roundoff of fp64.
+U64 = torch.finfo(torch.float64).eps / 2
+
+
+def reordered_sum_atol(n_terms: int, abs_sum: float) -> float:
+    """Largest difference between two fp64 evaluations of a sum of ``n_terms`` terms.
+
+    Computed in any order (any summation tree: sequential, pairwise, a scan), a
+    sum of n terms is within (n − 1)·u·Σ|terms| of the exact value (Higham,
+    "Accuracy and Stability of Numerical Algorithms", §4.2), so two orders are
+    within twice that; the factor 4 also covers the products that build the
+    terms (each a few roundings, ≤ n·u relative for powers of γλ up to n).
+    """
+    return 4 * n_terms * U64 * abs_sum

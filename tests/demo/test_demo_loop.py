@@ -119,3 +119,64 @@ def test_progress_bar_shows_live_metrics(tmp_path, capsys):
     run_demo(tiny("ppo", tmp_path, progress=True))
     err = capsys.readouterr().err
     assert "PPO" in err and "reward=" in err and "kl=" in err and "entropy=" in err
+
+
+def test_rerun_refuses_then_overwrites(tmp_path):
+    from rlmath.demo.runner import DemoOutputError
+
+    first = run_demo(tiny("grpo", tmp_path, steps=3))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(DemoOutputError, match="already holds a run .*--overwrite"):
+        run_demo(tiny("grpo", tmp_path, steps=1))
+    assert (tmp_path / "metrics.jsonl").read_text() == before  # not truncated
+    second = run_demo(tiny("grpo", tmp_path, steps=2, seed=1, overwrite=True))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert len(first.records) == 3 and len(second.records) == 2
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_metrics(tmp_path, monkeypatch, capsys):
+    """A NaN loss at step 2 stops training there: step 1 stays on disk, the message names both."""
+    real_step, real_loss = Trainer.step, Trainer.actor_loss
+
+    def step(self, n):
+        self.current_step = n
+        return real_step(self, n)
+
+    def actor_loss(self, mb, out_log_prob, entropy):
+        loss, metrics = real_loss(self, mb, out_log_prob, entropy)
+        if self.current_step == 2:
+            metrics["pg_loss"] = metrics["pg_loss"] * float("nan")
+        return loss, metrics
+
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(Trainer, "actor_loss", actor_loss)
+    result = run_demo(tiny("ppo", tmp_path, steps=4))
+    assert result.diverged == "step 2: pg_loss is nan (not finite)"
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    out = capsys.readouterr().out
+    assert "training diverged at step 2: pg_loss is nan" in out
+    assert "after" not in out.split("greedy success")[1]  # no evaluation of a diverged policy
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_a_huge_learning_rate_stops_with_a_named_metric(algo, tmp_path):
+    """lr 1e30 (allowed in the Python API, refused by the CLI) diverges: no traceback."""
+    result = run_demo(tiny(algo, tmp_path, steps=3, lr=1e30))
+    assert result.diverged is not None and result.diverged.startswith("step ")
+    assert "(not finite)" in result.diverged
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(lines) == len(result.records) < 3
+
+
+def test_without_matplotlib_no_stale_curves_are_listed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    (tmp_path / "curves.png").write_bytes(b"an older run's plot")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = run_demo(tiny("grpo", tmp_path, steps=2, overwrite=True))
+    assert not result.curves_written
+    assert not (tmp_path / "curves.png").exists()  # the stale plot was removed
+    out = capsys.readouterr().out
+    summary = out.split("outputs in")[1]
+    assert "metrics.jsonl" in summary
+    assert "curves.png not written: matplotlib is not installed" in summary
+    assert f"{tmp_path / 'curves.png'}" not in summary

@@ -90,3 +90,34 @@ def single_process_expected(seed: int, world: int, dtype_name: str):
     exp["mmms"] = (sel.mean(), sel.max(), sel.min(), sel.std())
     exp["grad"] = v.grad
     return exp
+
+
+def mixed_dtype_worker(dtypes: list[str]):
+    """Rank r passes values of ``dtypes[r]``; returns, per function, what it raised or gave.
+
+    After the refused calls a normal collective checks that the group still works.
+    """
+    r = dist.get_rank()
+    dtype = getattr(torch, dtypes[r])
+    g = torch.Generator().manual_seed(r)
+    values = torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    calls = {
+        "sum": lambda: rd.masked_sum(values, mask),
+        "mean": lambda: rd.masked_mean(values, mask),
+        "var": lambda: rd.masked_var(values, mask),
+        "whiten": lambda: rd.masked_whiten(values, mask),
+        "mmms": lambda: rd.distributed_mean_max_min_std(values, mask=mask),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            res = call()
+        except ValueError as err:
+            out[name] = ("ValueError", str(err))
+        else:
+            out[name] = ("ok", res[0] if isinstance(res, tuple) else res.detach())
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    out["after"] = check.item()
+    return out

@@ -223,7 +223,7 @@ def ignored_rows_temperature(p: dict[str, torch.Tensor]) -> dict[str, bool]:
 
 def worker() -> dict[str, Any]:
     p = problem()
-    return {
+    out = {
         "shard_vocab": dtensor_logits(p, Shard(-1), ref_plain=False),
         "shard_vocab_plain_ref": dtensor_logits(p, Shard(-1), ref_plain=True),
         "replicate": dtensor_logits(p, Replicate(), ref_plain=False),
@@ -233,3 +233,7 @@ def worker() -> dict[str, Any]:
         "same_functions": same_functions(p),
         "ignored_rows_temperature": ignored_rows_temperature(p),
     }
+    # Every rank leaves together: DTensor's collectives are complete on both sides
+    # before the launcher tears the process group down.
+    torch.distributed.barrier()
+    return out

@@ -9,7 +9,7 @@ import torch
 from rlmath import distributed as rd
 from rlmath.distributed import run_distributed
 
-from .dp_workers import dp_stats_worker, single_process_expected
+from .dp_workers import dp_stats_worker, mixed_dtype_worker, single_process_expected
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -65,3 +65,34 @@ def test_bad_input():
         run_distributed(dp_stats_worker, 0, 1, "float64")
     with pytest.raises(TypeError, match="local_tensor"):
         rd.distributed_mean_max_min_std([1.0])
+
+
+def test_complex_values_are_rejected():
+    v = torch.randn(3, 4, dtype=torch.complex64)
+    m = torch.ones(3, 4, dtype=torch.bool)
+    for fn in (rd.masked_sum, rd.masked_mean, rd.masked_var, rd.masked_whiten):
+        with pytest.raises(TypeError, match="values must be a real"):
+            fn(v, m)
+    with pytest.raises(TypeError, match="local_tensor must be a real"):
+        rd.distributed_mean_max_min_std(v, mask=m)
+
+
+def test_different_dtypes_on_different_ranks_raise_on_every_rank():
+    """fp64 on one rank and fp32 on another used to kill gloo with SIGABRT."""
+    results = run_distributed(mixed_dtype_worker, 2, ["float64", "float32"])
+    for rank, res in enumerate(results):
+        for name in ("sum", "mean", "var", "whiten", "mmms"):
+            kind, message = res[name]
+            assert kind == "ValueError", (rank, name)
+            arg = "local_tensor" if name == "mmms" else "values"
+            assert f"{arg} must give the same statistics dtype on every rank" in message
+            assert ("torch.float64" if rank == 0 else "torch.float32") in message
+        assert res["after"] == 2.0  # the group is still usable
+
+
+def test_dtypes_with_the_same_statistics_dtype_work():
+    """bf16 and fp32 values both give fp32 statistics: nothing to refuse."""
+    results = run_distributed(mixed_dtype_worker, 2, ["bfloat16", "float32"])
+    means = [res["mean"] for res in results]
+    assert all(kind == "ok" for kind, _ in means)
+    torch.testing.assert_close(means[0][1], means[1][1], rtol=0, atol=0)

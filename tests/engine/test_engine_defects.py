@@ -9,7 +9,7 @@ import torch
 
 import rlmath as R
 from rlmath.fused_head import FusedLMHeadLogProbs
-from tests.host_reads import forbid_host_reads
+from tests.host_sync import forbid_host_reads
 
 IGNORE = -100
 

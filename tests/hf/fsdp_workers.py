@@ -108,4 +108,5 @@ def worker() -> dict[str, dict[str, float]]:
             res[f"{name}-{mode}"] = response_case(name, mode)
     res["fused-head"] = fused_module_case("head")
     res["fused-parent"] = fused_module_case("parent")
+    dist.barrier()  # every rank leaves together, its collectives complete
     return res

@@ -14,8 +14,23 @@ import torch
 CLAMP = 20.0
 
 
+def _log_ratio(lp, old):
+    return torch.clamp(lp - old, -CLAMP, CLAMP)
+
+
 def _ratio(lp, old):
-    return torch.exp(torch.clamp(lp - old, -CLAMP, CLAMP))
+    return torch.exp(_log_ratio(lp, old))
+
+
+def _seq_ratio(lp, old, i, row):
+    """GSPO's s_i = exp(mean of the clamped token log-ratios of sequence i)."""
+    return torch.exp(sum(_log_ratio(lp[i, t], old[i, t]) for t in row) / len(row))
+
+
+def _straight_through(s, lp, old, i, t):
+    """sg[s_i]·π/sg[π]: value s_i, gradient s_i·∇log π (0 beyond the clamp)."""
+    lr = _log_ratio(lp[i, t], old[i, t])
+    return s.detach() * torch.exp(lr - lr.detach())
 
 
 def _rows(mask):
@@ -45,7 +60,7 @@ def ref_gspo_sequence(old, lp, adv, mask, *, clip_ratio=0.2, **_):
     for i, row in enumerate(_rows(mask)):
         if not row:
             continue
-        s = torch.exp(torch.clamp(sum(lp[i, t] - old[i, t] for t in row) / len(row), -CLAMP, CLAMP))
+        s = _seq_ratio(lp, old, i, row)
         a_hat = sum(adv[i, t] for t in row) / len(row)
         seq_loss = -torch.minimum(s * a_hat, torch.clamp(s, 1 - clip_ratio, 1 + clip_ratio) * a_hat)
         for t in row:
@@ -59,10 +74,10 @@ def ref_gspo_seq(old, lp, adv, mask, *, clip_ratio=0.2, **_):
     for i, row in enumerate(_rows(mask)):
         if not row:
             continue
-        s = torch.exp(torch.clamp(sum(lp[i, t] - old[i, t] for t in row) / len(row), -CLAMP, CLAMP))
+        s = _seq_ratio(lp, old, i, row)
         a_hat = sum(adv[i, t] for t in row) / len(row)
         for t in row:
-            s_t = s.detach() * torch.exp(lp[i, t] - lp[i, t].detach())
+            s_t = _straight_through(s, lp, old, i, t)
             out[(i, t)] = -_ppo_token(s_t, a_hat, clip_ratio, clip_ratio)
     return out
 
@@ -72,9 +87,9 @@ def ref_gspo_token(old, lp, adv, mask, *, clip_ratio=0.2, **_):
     for i, row in enumerate(_rows(mask)):
         if not row:
             continue
-        s = torch.exp(torch.clamp(sum(lp[i, t] - old[i, t] for t in row) / len(row), -CLAMP, CLAMP))
+        s = _seq_ratio(lp, old, i, row)
         for t in row:
-            s_t = s.detach() * torch.exp(lp[i, t] - lp[i, t].detach())
+            s_t = _straight_through(s, lp, old, i, t)
             out[(i, t)] = -_ppo_token(s_t, adv[i, t], clip_ratio, clip_ratio)
     return out
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlmath import LOSS_AGG_MODES, agg_loss, global_batch_info
+from rlmath import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_entropy_loss,
+    compute_value_loss,
+    get_policy_loss,
+    global_batch_info,
+    list_policy_losses,
+)
 
-from .helpers import MODES, ragged_mask, ref_agg
+from .helpers import LOSS_KWARGS, MODES, policy_batch, ragged_mask, ref_agg
 
 
 def _case(seed: int, b: int = 5, t: int = 7):
@@ -184,3 +193,49 @@ def test_bad_input():
         global_batch_info([])
     with pytest.raises(ValueError, match="not initialized"):
         global_batch_info(m, group=object())
+
+
+COUNT_ARGS = ("global_num_tokens", "global_num_seqs")
+BAD_NUMBERS = [float("inf"), float("-inf"), float("nan"), 0, 0.0, -1, -2.5, np.float32("inf")]
+
+
+@pytest.mark.parametrize("arg", COUNT_ARGS)
+@pytest.mark.parametrize("bad", BAD_NUMBERS, ids=repr)
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_or_non_positive_count_raises(arg, bad, mode):
+    """A count of inf made the loss (and its gradient) exactly 0; now every mode refuses it."""
+    loss, mask = _case(0)
+    with pytest.raises(ValueError, match=rf"{arg} must be (> 0|finite)"):
+        agg_loss(loss, mask, mode, norm_length=7, **{arg: bad})
+
+
+@pytest.mark.parametrize("arg", COUNT_ARGS)
+@pytest.mark.parametrize("name", list_policy_losses())
+def test_every_loss_refuses_an_infinite_count(arg, name):
+    old, logp, adv, mask = policy_batch(3, 5, 0)
+    kw = dict(LOSS_KWARGS[name])
+    with pytest.raises(ValueError, match=arg):
+        get_policy_loss(name)(old, logp, adv, mask, **{arg: float("inf")}, **kw)
+    with pytest.raises(ValueError, match=arg):
+        compute_value_loss(logp, adv, old, mask, 0.2, **{arg: float("inf")})
+    with pytest.raises(ValueError, match=arg):
+        compute_entropy_loss(torch.randn(3, 5, 4), mask, **{arg: float("inf")})
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_bad_tensor_count_gives_nan_without_a_host_read(mode):
+    """A tensor count is not read on the host: a bad one makes loss and gradient NaN, visibly."""
+    loss, mask = _case(1)
+    arg = "global_num_tokens" if mode == "token-mean" else "global_num_seqs"
+    for bad in (float("inf"), float("nan"), -3.0):
+        x = loss.clone().requires_grad_()
+        got = agg_loss(x, mask, mode, **{arg: torch.tensor(bad, dtype=torch.float64)})
+        got.backward()
+        assert got.isnan()
+        assert x.grad[mask].isnan().all()
+    zero = agg_loss(loss, mask, mode, **{arg: torch.tensor(0.0, dtype=torch.float64)})
+    assert zero == 0  # no valid token anywhere in the step
+    good = agg_loss(loss, mask, mode, **{arg: torch.tensor(4.0)})
+    assert good == agg_loss(loss, mask, mode, **{arg: 4.0})
+    with pytest.raises(TypeError, match=arg):
+        agg_loss(loss, mask, mode, **{arg: torch.tensor(True)})

@@ -1,9 +1,8 @@
 """Nothing in the loss path reads a tensor back to the host.
 
 On CPU a host sync cannot be observed, so every Python-level way of turning
-tensor data into host values (``bool()``, ``int()``, ``float()``, ``.item()``,
-``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing) is
-made to raise while the functions run. On CUDA the same calls also run under
+tensor data into host values is made to raise while the functions run
+(``tests/host_sync.py``). On CUDA the same calls also run under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
@@ -23,8 +22,8 @@ from rlmath import (
     list_policy_losses,
     rollout_correction,
 )
-from tests.host_reads import HostSync, forbid_host_reads
 
+from ..host_sync import HostSync, forbid_host_reads
 from .helpers import LOSS_KWARGS, MODES, policy_batch
 
 
@@ -36,6 +35,8 @@ def test_the_guard_catches_syncs():
             lambda: bool(x.any()),
             lambda: x[x > 0],
             lambda: float(x[0]),
+            lambda: torch.unique(x),
+            lambda: x.unique(return_inverse=True),
         ):
             with pytest.raises(HostSync):
                 bad()

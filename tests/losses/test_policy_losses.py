@@ -405,3 +405,36 @@ def test_bad_tensors(name):
         fn(x, torch.zeros(2, 3, dtype=torch.long), x, m, **kw)
     with pytest.raises(ValueError, match="rollout_is_weights"):
         fn(x, x, x, m, rollout_is_weights=torch.ones(3, 3), **kw)
+
+
+# The losses whose value depends on log π only through the ratio π/π_old (the
+# others multiply log π itself, which is -inf there (reinforce, cispo, ...), or
+# select tokens by statistics of log π (clip_cov, kl_cov)).
+RATIO_LOSSES = ["vanilla", "gspo", "gspo_token", "gspo_seq", "sapo", "geo_mean"]
+
+
+@pytest.mark.parametrize("name", RATIO_LOSSES)
+def test_infinite_log_ratio_on_a_valid_token_is_clamped_like_vanilla(name):
+    """log π = −inf (or log π_old = −inf) on a valid token: the log-ratio is clamped to ±20
+    before any exp, so the loss equals the one with a finite log-ratio beyond the clamp
+    (±25 here), gradient included. GSPO's sequence mean and straight-through term used to
+    give inf − inf = NaN."""
+    inf = float("inf")
+    old = torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -inf, -2.0]], dtype=torch.float64)
+    logp = torch.tensor([[-inf, -1.2, -2.0], [-1.1, -0.5, -1.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -0.5, 0.3], [-1.0, 0.7, 0.2]], dtype=torch.float64)
+    mask = torch.ones_like(old, dtype=torch.bool)
+    finite_old, finite_logp = old.clone(), logp.clone()
+    finite_logp[0, 0] = old[0, 0] - 25  # log-ratio −25
+    finite_old[1, 1] = logp[1, 1] - 25  # log-ratio +25
+    for mode in MODES:
+        loss, m, grad = _run(name, old, logp, adv, mask, mode, **LOSS_KWARGS[name])
+        want, m_want, grad_want = _run(
+            name, finite_old, finite_logp, adv, mask, mode, **LOSS_KWARGS[name]
+        )
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), (name, mode)
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad, grad_want, rtol=1e-12, atol=0)
+        for k, v in m.items():
+            torch.testing.assert_close(v, m_want[k], rtol=1e-12, atol=0)
+        assert m["log_ratio_clamped_frac"].item() == pytest.approx(2 / 6)

@@ -167,3 +167,20 @@ def test_bad_input():
         rollout_correction(x, torch.zeros(3, 2), m)
     with pytest.raises(ValueError, match="response_mask"):
         rollout_correction(x, x, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_empty_batch(shape, level, mode):
+    """An empty micro-batch (B = 0, or T = 0) gives empty weights and 0 metrics, like the losses."""
+    old = torch.zeros(shape, dtype=torch.float64)
+    rollout = torch.zeros(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    weights, out_mask, metrics = rollout_correction(old, rollout, mask, level=level, mode=mode)
+    assert weights.shape == shape and weights.dtype == torch.float64
+    assert out_mask.shape == shape and out_mask.dtype == torch.bool
+    for name, value in metrics.items():
+        assert value.shape == () and value.item() == 0.0, name
+    loss, _ = compute_policy_loss_reinforce(old, rollout, old, out_mask, rollout_is_weights=weights)
+    assert loss.item() == 0.0

@@ -51,11 +51,7 @@ def check_token_tensor(name: str, x: object, rewards: torch.Tensor) -> torch.Ten
 
 
 def as_unit_scalar(name: str, value: object) -> float:
-    """A Python float in ``[0, 1]``; a 0-d tensor is read once (a host sync on GPU)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        value = float(value.item())
+    """A Python float in ``[0, 1]``; a one-element tensor is read once (a host sync on GPU)."""
     return check_in_range(name, value, 0.0, 1.0)
 
 

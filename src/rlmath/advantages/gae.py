@@ -64,8 +64,9 @@ def compute_gae_advantage_return(
         token_level_rewards: Shape ``(B, T)``, floating.
         values: Shape ``(B, T)``, floating; critic values ``V(s_t)``.
         response_mask: Shape ``(B, T)``, bool or 0/1; 1 = valid token.
-        gamma: Discount ``γ`` in ``[0, 1]`` (float or 0-d tensor).
-        lam: GAE ``λ`` in ``[0, 1]`` (float or 0-d tensor).
+        gamma: Discount ``γ`` in ``[0, 1]``: a Python or numpy number, or a one-element
+            tensor (read once: a host sync on an accelerator).
+        lam: GAE ``λ`` in ``[0, 1]``, the same kinds as ``gamma``.
         whiten: Whiten the advantages over the batch (verl always does).
         group: ``torch.distributed`` process group over which the batch is
             split (data parallel): whitening uses the mean and variance of the

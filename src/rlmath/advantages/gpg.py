@@ -43,7 +43,7 @@ def compute_gpg_outcome_advantage(
         ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
         (fp64 for fp64 rewards), 0 at masked positions.
     """
-    check_in_range("epsilon", epsilon, 0.0, None)
+    epsilon = check_in_range("epsilon", epsilon, 0.0, None)
     norm = check_finite_scalar("f_norm", f_norm)
     if norm == 0:
         raise ValueError("f_norm must be non-zero, got 0")

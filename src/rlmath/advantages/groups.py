@@ -3,9 +3,10 @@
 Outcome estimators (GRPO, RLOO, OPO, …) compare each response with the other
 responses to the same prompt. The prompt is identified by a group ``index``:
 a tensor, a numpy array or a list of any hashable ids, in any order, with
-groups of any size. Ids are mapped to dense integers ``0 … G−1`` once, then
-every statistic is a scatter/segment reduction over the batch (``index_add``,
-``scatter_reduce``): no Python loop over samples or groups.
+groups of any size. Ids are mapped to dense integers ``0 … G−1`` once (for a
+tensor index by a sort on its device, never read on the host), then every
+statistic is a scatter/segment reduction over the batch (``index_add``,
+``scatter_reduce``): no Python loop over samples or groups, and no host sync.
 
 Per-group buffers are sized ``B`` (there are at most ``B`` groups), so no
 statistic needs the number of groups on the host.
@@ -33,9 +34,10 @@ def group_ids(
         index: The group of each sample, length ``batch_size``: a 1-D tensor
             (integer, bool or floating), a 1-D numpy array (numeric, string or
             object), or a sequence of hashable ids (strings, ints, tuples, …).
-            Numeric tensors and arrays take a vectorized path (``torch.unique``);
+            Numeric tensors and arrays take a vectorized path (a sort on the
+            tensor's device: no host read, so a CUDA index causes no sync);
             other ids are hashed once each by a dict (C-level, no Python loop
-            body per sample).
+            body per sample). Numpy arrays and lists are host data by nature.
         batch_size: ``B``; the length ``index`` must have.
         device: Where the result goes (default: the tensor's device, else CPU).
 
@@ -62,11 +64,27 @@ def group_ids(
 
 
 def _ids_from_tensor(index: torch.Tensor) -> torch.Tensor:
+    """Dense ids by a sort, on the index's device, without a host read.
+
+    ``torch.unique`` would give the same partition, but its output size
+    depends on the data, which on CUDA is a device sync. Here: sort the ids
+    (stable), mark where a sorted value differs from its predecessor, and
+    number the runs with a cumulative sum; then scatter the run numbers back
+    to the original positions. Every shape is ``(B,)``, known on the host.
+    Equal values share an id; NaN ids are each their own group (NaN ≠ NaN).
+    """
     if index.dim() != 1:
         raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
     if index.is_complex():
         raise TypeError(f"index must be an integer, bool or floating tensor, got {index.dtype}")
-    return torch.unique(index, return_inverse=True)[1].long()
+    if index.dtype == torch.bool:
+        index = index.to(torch.uint8)
+    values, order = torch.sort(index, stable=True)
+    starts = torch.ones(values.shape, dtype=torch.int64, device=values.device)
+    if values.numel() > 1:
+        starts = torch.cat([starts[:1], (values[1:] != values[:-1]).long()])
+    run = starts.cumsum(0) - 1
+    return torch.empty_like(run).scatter_(0, order, run)
 
 
 def _ids_from_numpy(index: Any) -> torch.Tensor:

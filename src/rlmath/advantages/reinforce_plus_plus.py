@@ -110,7 +110,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
         (fp64 for fp64 rewards), 0 at masked positions.
     """
-    check_in_range("epsilon", epsilon, 0.0, None)
+    epsilon = check_in_range("epsilon", epsilon, 0.0, None)
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     centered = group_moments(x.scores, x.ids).centered

@@ -31,6 +31,7 @@ class DemoConfig:
     seed: int = 0
     device: str = "cpu"
     out: Path | None = None  # None: runs/demo-<algo>
+    overwrite: bool = False  # replace the outputs of a previous run in ``out``
     model: str = "tiny"
     threads: int | None = None  # None: 1
     progress: bool = True

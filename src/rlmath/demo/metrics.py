@@ -8,7 +8,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["MetricsWriter", "Record", "read_metrics", "summary_table"]
+import torch
+
+__all__ = [
+    "MetricsWriter",
+    "NonFiniteError",
+    "Record",
+    "check_finite",
+    "read_metrics",
+    "summary_table",
+]
 
 #: One line of metrics.jsonl; None where a value was not finite (JSON null).
 Record = dict[str, float | None]
@@ -25,6 +34,34 @@ CORE_KEYS = (
     "lr",
     "tokens_per_s",
 )
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or statistic of the run is NaN or infinite: training diverged.
+
+    ``metric`` names the quantity (``"pg_loss"``, ``"grad_norm"``, ...) and
+    ``value`` is what it was; the runner adds the step.
+    """
+
+    def __init__(self, metric: str, value: float) -> None:
+        super().__init__(f"{metric} is {value} (not finite)")
+        self.metric = metric
+        self.value = value
+
+
+def check_finite(metric: str, value: object) -> float:
+    """``float(value)``, or :class:`NonFiniteError` naming ``metric`` if it is NaN or inf.
+
+    Reads a tensor on the host: the demo checks once per update, outside the
+    math, so that a diverging run stops at the first bad number instead of
+    failing later inside sampling.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+    v = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(v):
+        raise NonFiniteError(metric, v)
+    return v
 
 
 class MetricsWriter:

@@ -19,6 +19,7 @@ from torch import nn
 import rlmath
 from rlmath.demo.batch import Rollout, response_forward
 from rlmath.demo.config import DemoConfig
+from rlmath.demo.metrics import check_finite
 from rlmath.demo.model import DemoLM
 from rlmath.demo.rollout import token_level_scores
 from rlmath.demo.task import SortTask
@@ -72,9 +73,11 @@ class PPOTrainer(Trainer):
                     cliprange_value=cfg.cliprange_value,
                     loss_agg_mode=cfg.loss_agg_mode,
                 )
+                check_finite("value_loss", vf_loss)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 vf_loss.backward()
-                nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                grad_norm = nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                check_finite("critic_grad_norm", grad_norm)
                 self.critic_optimizer.step()
                 loss_sum += float(vf_loss.detach())
                 clip_sum += float(vf_clipfrac)
@@ -109,7 +112,7 @@ class PPOTrainer(Trainer):
         kl_k1 = rlmath.masked_mean(
             rlmath.kl_penalty(batch.old_log_prob, batch.ref_log_prob, "k1"), mask
         )
-        self.kl_ctrl.update(float(kl_k1), n_steps=len(batch))
+        self.kl_ctrl.update(check_finite("kl_k1", kl_k1), n_steps=len(batch))
         # 4. GAE: advantages (whitened over valid tokens) and returns.
         batch.advantages, batch.returns = rlmath.compute_gae_advantage_return(
             rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam

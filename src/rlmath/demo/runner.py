@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import torch
 
 from rlmath.demo.config import DemoConfig
 from rlmath.demo.grpo import GRPOTrainer
-from rlmath.demo.metrics import MetricsWriter, Record, summary_table
+from rlmath.demo.metrics import MetricsWriter, NonFiniteError, Record, summary_table
 from rlmath.demo.model import ModelConfig, build_model
 from rlmath.demo.plot import plot_curves
 from rlmath.demo.ppo import PPOTrainer
@@ -21,7 +22,14 @@ from rlmath.demo.task import SortTask, Vocab
 from rlmath.demo.trainer import Trainer
 from rlmath.demo.warmup import supervised_warmup
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["OUTPUT_FILES", "DemoOutputError", "DemoResult", "prepare_output", "run_demo"]
+
+#: What a run writes to its output folder.
+OUTPUT_FILES = ("metrics.jsonl", "curves.png")
+
+
+class DemoOutputError(ValueError):
+    """The output folder cannot be used: not a folder, not writable, or holds a run."""
 
 
 @dataclass
@@ -31,6 +39,10 @@ class DemoResult:
     out: Path
     records: list[Record] = field(default_factory=list)
     interrupted: bool = False
+    #: Why training stopped early (a NaN/inf loss: "step 3: pg_loss is nan ..."), else None.
+    diverged: str | None = None
+    #: Whether curves.png was written (False without matplotlib or without any step).
+    curves_written: bool = False
     greedy_before: float = float("nan")
     greedy_after: float = float("nan")
     seconds: float = 0.0
@@ -45,15 +57,58 @@ def _setup(cfg: DemoConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def prepare_output(cfg: DemoConfig) -> Path:
+    """Check and create the output folder before any work; return it.
+
+    Raises :class:`DemoOutputError` when the path is a file, lies below a
+    file, cannot be created or written, or already holds a run's outputs
+    (:data:`OUTPUT_FILES`; an empty ``metrics.jsonl`` does not count) and
+    ``cfg.overwrite`` is false. With ``overwrite`` the previous outputs are
+    deleted here, so no file of an older run can be mistaken for this one's.
+    """
+    out = cfg.out_dir
+    if out.exists() and not out.is_dir():
+        raise DemoOutputError(f"{out} exists and is not a folder")
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise DemoOutputError(f"{out} is below {ancestor}, which is a file, not a folder")
+    previous = [
+        name
+        for name in OUTPUT_FILES
+        if (out / name).is_file() and (name != "metrics.jsonl" or (out / name).stat().st_size > 0)
+    ]
+    if previous and not cfg.overwrite:
+        raise DemoOutputError(
+            f"{out} already holds a run ({', '.join(previous)}); pass --overwrite to replace "
+            "it, or choose another --out"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:
+            (out / name).unlink(missing_ok=True)
+        probe = out / f".rlmath-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise DemoOutputError(f"cannot write to {out}: {err.strerror or err}") from None
+    return out
+
+
 def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     """Run one demo end to end; returns the records also written to ``cfg.out_dir``.
 
-    Ctrl-C (``KeyboardInterrupt``) during training stops the loop after the
-    steps already finished: their metrics are on disk (each line is flushed),
-    and the plot and summary are still produced from them.
+    The output folder is checked (and created) first, before any work: see
+    :func:`prepare_output`. Ctrl-C (``KeyboardInterrupt``) during training
+    stops the loop after the steps already finished: their metrics are on
+    disk (each line is flushed), and the plot and summary are still produced
+    from them. A NaN or infinite loss, gradient norm or rollout statistic
+    stops training the same way, with ``DemoResult.diverged`` naming the step
+    and the metric.
     """
     stream = stream or sys.stdout
-    out_dir = cfg.out_dir
+    out_dir = prepare_output(cfg)
     t_start = time.perf_counter()
     device = _setup(cfg)
     vocab = Vocab()
@@ -97,12 +152,15 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             file=stream,
         )
     trainer: Trainer = (PPOTrainer if cfg.algo == "ppo" else GRPOTrainer)(cfg, policy, task, device)
-    out_dir.mkdir(parents=True, exist_ok=True)
     writer = MetricsWriter(out_dir / "metrics.jsonl")
     bar = _Progress(cfg, stream) if cfg.progress else None
     try:
         for step in range(1, cfg.steps + 1):
-            record = trainer.step(step)
+            try:
+                record = trainer.step(step)
+            except NonFiniteError as err:
+                result.diverged = f"step {step}: {err}"
+                break
             writer.write(record)
             if bar is not None:
                 bar.update(record)
@@ -115,6 +173,12 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     result.records = writer.records
     if result.interrupted:
         print(f"interrupted after {len(result.records)} steps; metrics kept", file=stream)
+    elif result.diverged:
+        print(
+            f"training diverged at {result.diverged}; stopped. The {len(result.records)} "
+            f"finished steps are kept in {out_dir / 'metrics.jsonl'} (try a smaller --lr)",
+            file=stream,
+        )
     else:
         result.greedy_after = greedy_success_rate(
             policy, task, n_prompts=256, generator=eval_gen, device=device
@@ -131,6 +195,8 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
                 "matplotlib is not installed: no curves.png (pip install 'rlmath[demo]')",
                 file=stream,
             )
+        else:
+            result.curves_written = True
     result.seconds = time.perf_counter() - t_start
     _print_summary(cfg, result, stream)
     return result
@@ -173,9 +239,13 @@ def _print_summary(cfg: DemoConfig, result: DemoResult, stream: TextIO) -> None:
     print("", file=stream)
     print(summary_table(result.records), file=stream)
     line = f"greedy success on 256 fresh prompts: {result.greedy_before:.2f} before RL"
-    if not result.interrupted:
+    if not result.interrupted and not result.diverged:
         line += f", {result.greedy_after:.2f} after"
     print(line, file=stream)
     print(f"wall time {result.seconds:.1f} s; outputs in {result.out}/", file=stream)
     if result.records:
-        print(f"  {result.out / 'metrics.jsonl'}\n  {result.out / 'curves.png'}", file=stream)
+        print(f"  {result.out / 'metrics.jsonl'}", file=stream)
+        if result.curves_written:
+            print(f"  {result.out / 'curves.png'}", file=stream)
+        else:
+            print("  (curves.png not written: matplotlib is not installed)", file=stream)

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlmath.demo.metrics import NonFiniteError
+
 __all__ = ["generate"]
+
+
+def _first_bad(x: torch.Tensor) -> float:
+    return float(x[~torch.isfinite(x)].flatten()[0])
 
 
 @torch.no_grad()
@@ -42,6 +48,9 @@ def generate(
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         logits = model(ids, mask)[:, -1, :].float()
+        if not bool(torch.isfinite(logits).all()):
+            # A diverged policy: multinomial would fail with an unclear message.
+            raise NonFiniteError("policy logits (sampling)", _first_bad(logits))
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:

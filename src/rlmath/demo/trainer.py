@@ -19,6 +19,7 @@ from torch import nn
 import rlmath
 from rlmath.demo.batch import Rollout, response_forward
 from rlmath.demo.config import DemoConfig
+from rlmath.demo.metrics import check_finite
 from rlmath.demo.model import DemoLM
 from rlmath.demo.rollout import collect_rollout
 from rlmath.demo.task import SortTask
@@ -45,6 +46,8 @@ class Trainer(ABC):
 
     #: responses sampled per prompt (1 for PPO).
     group_size: int = 1
+    #: the loss terms of ``actor_loss``'s metrics checked for NaN/inf at every update.
+    loss_metrics: tuple[str, ...] = ("pg_loss", "kl_loss")
 
     def __init__(
         self, cfg: DemoConfig, policy: DemoLM, task: SortTask, device: torch.device
@@ -98,10 +101,13 @@ class Trainer(ABC):
         assert cur.entropy is not None
         # k3 is a non-negative, unbiased per-token estimate of KL(π‖π_ref).
         kl = rlmath.kl_penalty(cur.log_prob, ref.log_prob, "low_var_kl")
-        return {
+        stats = {
             "kl": rlmath.masked_mean(kl, mask),
             "entropy": rlmath.masked_mean(cur.entropy, mask),
         }
+        for name, value in stats.items():
+            check_finite(name, value)
+        return stats
 
     def actor_loss(
         self, mb: Rollout, out_log_prob: torch.Tensor, entropy: torch.Tensor
@@ -137,9 +143,15 @@ class Trainer(ABC):
                 )
                 assert out.entropy is not None
                 loss, metrics = self.actor_loss(mb, out.log_prob, out.entropy)
+                # Stop at the first non-finite number, before it reaches the weights.
+                for name in self.loss_metrics:
+                    if name in metrics:
+                        check_finite(name, metrics[name])
+                check_finite("loss", loss)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                check_finite("grad_norm", grad_norm)
                 self.optimizer.step()
                 metrics["grad_norm"] = grad_norm
                 for k, v in metrics.items():

@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from rlmath._validation import check_choice, check_mask, check_tensor, result_dtype
+from rlmath._validation import (
+    check_choice,
+    check_finite_scalar,
+    check_in_range,
+    check_int,
+    check_mask,
+    check_tensor,
+    result_dtype,
+)
 
 __all__ = ["LOSS_AGG_MODES", "agg_loss", "global_batch_info"]
 
@@ -51,29 +59,51 @@ Count = torch.Tensor | int | float | None
 
 
 def check_dp_size(dp_size: object) -> int:
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int):
-        raise TypeError(f"dp_size must be an int, got {type(dp_size).__name__}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    return dp_size
+    return check_int("dp_size", dp_size, 1)
 
 
 def _check_count(name: str, value: Count) -> None:
-    if value is None or isinstance(value, torch.Tensor):
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    """A global count: a finite number > 0, or a one-element real tensor (not read: no sync).
+
+    A Python (or numpy) number is checked here, on the host. A tensor is only
+    checked for its shape and dtype; its value is checked on the device by
+    :func:`_divide`, which turns a non-finite or negative count into a NaN loss.
+    """
+    if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(value).__name__}")
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real-valued tensor, got dtype {value.dtype}")
+        return
+    try:
+        count = check_finite_scalar(name, value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a number or a 0-d tensor, got {type(value).__name__}"
+        ) from None
+    if not count > 0:
+        raise ValueError(
+            f"{name} must be > 0 (the number of valid tokens or sequences of the whole "
+            f"optimizer step), got {count:g}"
+        )
 
 
 def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:
-    """num / den, and num·0 where den == 0 (num is 0 there when den counts num's terms)."""
+    """num / den, and num·0 where den == 0 (num is 0 there when den counts num's terms).
+
+    A tensor ``den`` that is negative, inf or NaN gives NaN (computed on the
+    device, so a bad count is visible in the loss without a host sync).
+    """
     if isinstance(den, torch.Tensor):
         den = den.reshape(()).to(device=num.device, dtype=num.dtype)
-        return num / torch.where(den > 0, den, torch.ones_like(den))
+        positive = den > 0
+        out = torch.where(positive, num / torch.where(positive, den, 1.0), num * 0)
+        # × NaN rather than torch.where: the gradient must turn NaN too.
+        poison = torch.where(torch.isfinite(den) & (den >= 0), 1.0, torch.nan).to(out.dtype)
+        return out * poison
+    den = float(den)  # numpy scalars
     return num / den if den > 0 else num * 0
 
 
@@ -100,9 +130,15 @@ def agg_loss(
             optimizer step over every rank and micro-batch, for ``token-mean``.
             A 0-d tensor (kept on device: no host sync) or a number. ``None``
             uses the local count, which is only right without data
-            parallelism and without gradient accumulation.
+            parallelism and without gradient accumulation. A number (Python
+            or numpy) must be finite and ``> 0``, else ``ValueError``. A
+            tensor is never read on the host: a count of 0 (no valid token in
+            the whole step, as :func:`global_batch_info` returns then) gives
+            a loss of 0, and a negative, inf or NaN count gives a NaN loss
+            (and NaN gradients), so that it cannot pass silently as 0.
         global_num_seqs: number of sequences with at least one valid token in
-            the whole optimizer step, for the ``seq-mean-*`` modes.
+            the whole optimizer step, for the ``seq-mean-*`` modes; same rules
+            as ``global_num_tokens``.
         dp_size: number of data-parallel ranks whose gradients DDP/FSDP
             average. With ``dp_size > 1`` the global count of the mode is
             required and the loss is multiplied by ``dp_size`` to undo the
@@ -119,7 +155,7 @@ def agg_loss(
     check_tensor("loss_mat", loss_mat, floating=True)
     check_mask("loss_mask", loss_mask, "loss_mat", loss_mat)
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    check_dp_size(dp_size)
+    dp_size = check_dp_size(dp_size)
     _check_count("global_num_tokens", global_num_tokens)
     _check_count("global_num_seqs", global_num_seqs)
     if loss_mat.dim() == 0:
@@ -150,10 +186,7 @@ def agg_loss(
                 "(Dr.GRPO divides by a constant: pass the maximum response length; "
                 "verl's fallback to the padded width varies between micro-batches)"
             )
-        if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)):
-            raise TypeError(f"norm_length must be a number, got {type(norm_length).__name__}")
-        if not 0 < norm_length < float("inf"):
-            raise ValueError(f"norm_length must be a finite number > 0, got {norm_length}")
+        norm_length = check_in_range("norm_length", norm_length, 0.0, None, low_inclusive=False)
 
     seq_total = weighted.sum(dim=-1)
     seq_tokens = weight.sum(dim=-1)

@@ -73,9 +73,9 @@ def _clip_cov_select(
 
 
 def _check_clip_cov(clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float) -> None:
-    check_in_range("clip_cov_ratio", clip_cov_ratio, 0.0, 1.0, low_inclusive=False)
-    check_in_range("clip_cov_lb", clip_cov_lb)
-    check_in_range("clip_cov_ub", clip_cov_ub)
+    clip_cov_ratio = check_in_range("clip_cov_ratio", clip_cov_ratio, 0.0, 1.0, low_inclusive=False)
+    clip_cov_lb = check_in_range("clip_cov_lb", clip_cov_lb)
+    clip_cov_ub = check_in_range("clip_cov_ub", clip_cov_ub)
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(
             f"clip_cov_lb must be < clip_cov_ub, got clip_cov_lb={clip_cov_lb}, "
@@ -188,7 +188,7 @@ def kl_cov_selection(
     log_ratio_clamp: float = 20.0,
 ) -> torch.Tensor:
     """The tokens KL-Cov penalises: a bool ``(B, T)`` tensor (see :func:`compute_policy_loss_kl_cov`)."""
-    check_in_range("kl_cov_ratio", kl_cov_ratio, 0.0, 1.0, low_inclusive=False)
+    kl_cov_ratio = check_in_range("kl_cov_ratio", kl_cov_ratio, 0.0, 1.0, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, log_ratio_clamp=log_ratio_clamp
     )
@@ -224,8 +224,8 @@ def compute_policy_loss_kl_cov(
     the masked mean of ``|log r|`` (what verl reports as ``ppo_kl`` for this
     loss); ``kl_cov_frac`` the selected fraction.
     """
-    check_in_range("kl_cov_ratio", kl_cov_ratio, 0.0, 1.0, low_inclusive=False)
-    check_in_range("ppo_kl_coef", ppo_kl_coef, 0.0, None)
+    kl_cov_ratio = check_in_range("kl_cov_ratio", kl_cov_ratio, 0.0, 1.0, low_inclusive=False)
+    ppo_kl_coef = check_in_range("ppo_kl_coef", ppo_kl_coef, 0.0, None)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,

@@ -111,7 +111,7 @@ def compute_policy_loss_dppo_tv(
     ``pg_clipfrac_lower`` the fraction of kept tokens whose ratio was truncated.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
+    clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,
@@ -146,7 +146,7 @@ def compute_policy_loss_dppo_kl(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL loss; as :func:`compute_policy_loss_dppo_tv` with KL thresholds."""
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
+    clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,

@@ -44,7 +44,7 @@ def compute_policy_loss_dro(
     """
     if dro_beta is None:
         raise ValueError("dro_beta is required for the DRO loss (a number > 0), got None")
-    check_in_range("dro_beta", dro_beta, 0.0, None, low_inclusive=False)
+    dro_beta = check_in_range("dro_beta", dro_beta, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmath._validation import check_mask, check_tensor
+from rlmath._validation import check_in_range, check_mask, check_tensor
 from rlmath.logprobs.entropy import entropy_from_logits
 from rlmath.losses.aggregation import Count, agg_loss
 
@@ -44,10 +44,7 @@ def compute_entropy_loss(
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape (*, T, V), got {tuple(logits.shape)}")
     check_mask("response_mask", response_mask, "logits[..., 0]", logits[..., 0])
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = check_in_range("temperature", temperature, 0.0, None, low_inclusive=False)
     if sanitize_logits:
         valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
         logits = torch.where(valid.unsqueeze(-1), logits, 0)

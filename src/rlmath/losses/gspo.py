@@ -5,7 +5,11 @@ GSPO replaces PPO's per-token ratio by the length-normalised sequence ratio
     s_i = (π_θ(y_i|x) / π_old(y_i|x))^{1/|y_i|} = exp((1/|y_i|) Σ_t log r_{i,t})
 
 where the mean runs over the valid tokens of sequence i only (padding never
-enters it). Both losses here use the GSPO-token construction
+enters it). As in every loss, each token's log-ratio is clamped to
+``±log_ratio_clamp`` (default 20) before it enters the mean or any ``exp``, so a
+valid token with ``log π = −inf`` gives a finite loss (the clamped value, no
+gradient through that token), like ``vanilla``. Both losses here use the
+GSPO-token construction
 
     s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]
 
@@ -43,13 +47,19 @@ __all__ = [
 def sequence_log_ratio(
     log_ratio: torch.Tensor, response_mask: torch.Tensor, *, log_ratio_clamp: float = 20.0
 ) -> torch.Tensor:
-    """``clamp((1/|y_i|) Σ_t log r_{i,t}, ±log_ratio_clamp)`` per sequence, detached.
+    """``(1/|y_i|) Σ_t clamp(log r_{i,t}, ±log_ratio_clamp)`` per sequence, detached.
+
+    Each token's log-ratio is clamped first, as in every loss (so an infinite
+    log-ratio on a valid token, ``log π = −inf``, counts as ``−log_ratio_clamp``
+    instead of making the mean ``−inf`` or, with a ``+inf`` next to it, NaN);
+    the mean then lies in ``±log_ratio_clamp`` too. Equal to the mean of the
+    raw log-ratios whenever none exceeds the clamp.
 
     Shape: ``log_ratio`` and ``response_mask`` ``(B, T)``; result ``(B, 1)``,
     fp32 (fp64 for fp64). A fully masked sequence gets 0.
     """
-    mean = masked_mean(log_ratio.detach(), response_mask, axis=-1)
-    return mean.clamp(-log_ratio_clamp, log_ratio_clamp).unsqueeze(-1)
+    clamped = log_ratio.detach().clamp(-log_ratio_clamp, log_ratio_clamp)
+    return masked_mean(clamped, response_mask, axis=-1).unsqueeze(-1)
 
 
 def _gspo(
@@ -60,8 +70,11 @@ def _gspo(
     log_ratio_clamp: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     seq_lr = sequence_log_ratio(inp.log_ratio, inp.mask, log_ratio_clamp=log_ratio_clamp)
-    # Straight-through: value s_i, gradient s_i ∇log π_θ per token.
-    st_log = seq_lr + inp.log_prob - inp.log_prob.detach()
+    # Straight-through: value s_i, gradient s_i ∇log π_θ per token. Built from the
+    # clamped log-ratio (value exactly 0, never inf − inf; no gradient beyond the
+    # clamp, as in the token-level losses).
+    lr = inp.clamped_log_ratio
+    st_log = seq_lr + (lr - lr.detach())
     seq_ratio = torch.exp(st_log)
     clipped_high, clipped_low = ppo_clip_regions(seq_ratio, adv, low, high)
     clipped = clipped_high | clipped_low

@@ -82,7 +82,7 @@ def compute_policy_loss_vanilla(
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
-        check_in_range("clip_ratio_c", clip_ratio_c, 1.0, None, low_inclusive=False)
+        clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 1.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,

@@ -87,7 +87,9 @@ def prepare_policy_inputs(
     check_mask("response_mask", response_mask, "log_prob", log_prob)
     if log_prob.dim() == 0:
         raise ValueError("log_prob must have at least one dimension (tokens), got a 0-d tensor")
-    check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    log_ratio_clamp = check_in_range(
+        "log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False
+    )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
     valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     old = torch.where(valid, old_log_prob.detach().to(dtype), 0)

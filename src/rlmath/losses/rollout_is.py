@@ -68,6 +68,9 @@ class RolloutCorrection(NamedTuple):
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Max of ``x`` over ``valid``; 0 when nothing is valid, including an empty tensor."""
+    if x.numel() == 0:  # a shape, known on the host: max() of nothing raises
+        return torch.zeros((), dtype=x.dtype, device=x.device)
     top = torch.where(valid, x, -torch.inf).max()
     return torch.where(valid.any(), top, torch.zeros_like(top))
 
@@ -109,7 +112,8 @@ def rollout_correction(
         (normalised effective sample size ``(Σw)²/(N·Σw²)`` ∈ [0, 1]),
         ``fraction_high``/``fraction_low`` (raw weight above/below the
         bounds), ``fraction_truncated`` (truncate mode) and
-        ``fraction_masked`` (mask mode; the other one is 0).
+        ``fraction_masked`` (mask mode; the other one is 0). An empty batch
+        (``B = 0`` or ``T = 0``) gives empty weights and every metric 0.
     """
     check_tensor("old_log_prob", old_log_prob, floating=True)
     check_tensor("rollout_log_prob", rollout_log_prob, floating=True)
@@ -135,7 +139,9 @@ def rollout_correction(
                 f"threshold_high must be > 1 when threshold_low is None in mask mode "
                 f"(the lower bound is 1/threshold_high), got {high}"
             )
-    check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    log_ratio_clamp = check_in_range(
+        "log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False
+    )
 
     dtype = result_dtype(old_log_prob, rollout_log_prob)
     valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
@@ -144,15 +150,15 @@ def rollout_correction(
     token_lr = old - rollout
 
     if level == "token":
-        level_lr = token_lr
+        level_lr = unit_lr = token_lr
         unit_valid = valid
     else:
-        per_seq = (
+        unit_lr = (
             masked_sum(token_lr, response_mask, axis=-1)
             if level == "sequence"
             else masked_mean(token_lr, response_mask, axis=-1)
         )
-        level_lr = per_seq.unsqueeze(-1).expand_as(token_lr)
+        level_lr = unit_lr.unsqueeze(-1).expand_as(token_lr)
         unit_valid = valid.any(dim=-1)
     raw = torch.exp(level_lr.clamp(-log_ratio_clamp, log_ratio_clamp))
 
@@ -175,7 +181,6 @@ def rollout_correction(
     n = masked_sum(torch.ones_like(weights), response_mask)
     ess = w_sum.square() / torch.where(w_sq > 0, n * w_sq, torch.ones_like(w_sq))
     clamped_lr = token_lr.clamp(-log_ratio_clamp, log_ratio_clamp)
-    unit_lr = level_lr if level == "token" else level_lr[..., 0]
     metrics = {
         "log_ratio_mean": masked_mean(unit_lr, unit_valid),
         "log_ratio_max": _masked_max(unit_lr, unit_valid),

@@ -46,8 +46,8 @@ def compute_policy_loss_sapo(
     ``loss_agg_mode`` is honoured. No token is clipped, so the clip-fraction
     metrics are 0.
     """
-    check_in_range("tau_pos", tau_pos, 0.0, None, low_inclusive=False)
-    check_in_range("tau_neg", tau_neg, 0.0, None, low_inclusive=False)
+    tau_pos = check_in_range("tau_pos", tau_pos, 0.0, None, low_inclusive=False)
+    tau_neg = check_in_range("tau_neg", tau_neg, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,

@@ -1,9 +1,11 @@
-"""A guard that makes every Python-level host read of tensor data raise (for no-sync tests).
+"""A guard that makes every Python-level read of tensor data raise (the no-sync tests).
 
 On CPU a host sync cannot be observed, so every way of turning tensor data
 into host values (``bool()``, ``int()``, ``float()``, ``.item()``,
 ``.tolist()``, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing)
-is made to raise while the guarded code runs. On CUDA the tests also run under
+and every operation whose output shape depends on the data (``unique``,
+``unique_consecutive``, ``masked_select``) is made to raise while the guarded
+code runs. On CUDA the same calls also run under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
@@ -13,35 +15,39 @@ import contextlib
 
 import torch
 
-__all__ = ["HostSync", "forbid_host_reads"]
-
 
 class HostSync(AssertionError):
     pass
+
+
+_TENSOR_METHODS = [
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "unique",
+    "unique_consecutive",
+    "masked_select",
+]
+_TORCH_FUNCTIONS = ["nonzero", "unique", "unique_consecutive", "masked_select"]
 
 
 @contextlib.contextmanager
 def forbid_host_reads():
     def refuse(name):
         def method(*args, **kwargs):
-            raise HostSync(f"Tensor.{name} reads device data on the host")
+            raise HostSync(f"{name} reads device data on the host")
 
         return method
 
-    names = [
-        "__bool__",
-        "__int__",
-        "__float__",
-        "__index__",
-        "item",
-        "tolist",
-        "cpu",
-        "numpy",
-        "nonzero",
-    ]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
+    saved = {n: getattr(torch.Tensor, n) for n in _TENSOR_METHODS}
+    saved_torch = {n: getattr(torch, n) for n in _TORCH_FUNCTIONS}
     saved_getitem = torch.Tensor.__getitem__
-    saved_nonzero = torch.nonzero
 
     def getitem(self, index):
         parts = index if isinstance(index, tuple) else (index,)
@@ -50,13 +56,15 @@ def forbid_host_reads():
         return saved_getitem(self, index)
 
     try:
-        for n in names:
-            setattr(torch.Tensor, n, refuse(n))
+        for n in _TENSOR_METHODS:
+            setattr(torch.Tensor, n, refuse(f"Tensor.{n}"))
+        for n in _TORCH_FUNCTIONS:
+            setattr(torch, n, refuse(f"torch.{n}"))
         torch.Tensor.__getitem__ = getitem
-        torch.nonzero = refuse("nonzero")
         yield
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+        for n, f in saved_torch.items():
+            setattr(torch, n, f)
         torch.Tensor.__getitem__ = saved_getitem
-        torch.nonzero = saved_nonzero
