@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from rlmath.engine import policy
+
 
 class HostSync(AssertionError):
     pass
@@ -55,6 +57,10 @@ def forbid_host_reads():
             raise HostSync("boolean-mask indexing has a data-dependent shape")
         return saved_getitem(self, index)
 
+    # The engine reads data on the host only where that costs nothing (a CPU);
+    # the guard makes it take the path an accelerator takes.
+    saved_reads_host = policy.reads_host
+    policy.reads_host = lambda device: False
     try:
         for n in _TENSOR_METHODS:
             setattr(torch.Tensor, n, refuse(f"Tensor.{n}"))
@@ -68,3 +74,4 @@ def forbid_host_reads():
         for n, f in saved_torch.items():
             setattr(torch, n, f)
         torch.Tensor.__getitem__ = saved_getitem
+        policy.reads_host = saved_reads_host

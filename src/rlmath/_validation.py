@@ -42,6 +42,7 @@ __all__ = [
     "check_temperature",
     "check_tensor",
     "result_dtype",
+    "valid_mask",
 ]
 
 
@@ -77,6 +78,11 @@ def check_mask(name: str, mask: object, ref_name: str, ref: torch.Tensor) -> tor
     if mask.device != ref.device:
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
     return mask
+
+
+def valid_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The bool "valid" view of a checked mask: ``mask`` itself if bool, else ``mask != 0``."""
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:

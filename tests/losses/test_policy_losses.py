@@ -75,10 +75,19 @@ def test_signature_is_uniform(name):
         "response_mask",
     ]
     kw_only = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    required = {"loss_agg_mode", "rollout_is_weights", "global_num_tokens", "global_num_seqs"}
-    assert required | {"dp_size", "norm_length", "log_ratio_clamp"} <= kw_only
-    assert sig.parameters["dp_size"].default == 1
+    assert {"loss_agg_mode", "rollout_is_weights", "log_ratio_clamp"} <= kw_only
     assert sig.parameters["rollout_is_weights"].default is None
+    # The aggregation arguments arrive as one **aggregation (AggregationKwargs).
+    last = params[-1]
+    assert last.kind is inspect.Parameter.VAR_KEYWORD and last.name == "aggregation"
+    assert "AggregationKwargs" in str(last.annotation)
+    fn = get_policy_loss(name)
+    old, logp, adv, mask = policy_batch(2, 4, 1)
+    kw = dict(LOSS_KWARGS[name])
+    fn(old, logp, adv, mask, **kw, global_num_tokens=8, global_num_seqs=2, dp_size=1,
+       norm_length=4)  # fmt: skip
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'global_num_token'"):
+        fn(old, logp, adv, mask, **kw, global_num_token=8)
 
 
 @pytest.mark.parametrize("mode", MODES)

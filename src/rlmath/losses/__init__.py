@@ -61,7 +61,7 @@ from rlmath.losses.registry import (
 from rlmath.losses.reinforce import (
     compute_policy_loss_reinforce,
 )
-from rlmath.losses.rollout_is import (
+from rlmath.losses.rollout_correction import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
     RolloutCorrection,

@@ -25,14 +25,24 @@ accumulation micro-batches, pass the counts of the *whole optimizer step*
 ``R`` ranks and the micro-batch gradients are summed, so the optimizer sees
 ``(1/R) Σ_r Σ_m ∇ loss_{r,m} = ∇ (full-batch loss)`` exactly, for every mode,
 whatever the sequence lengths, padding widths or micro-batch sizes.
+
+**The aggregation arguments travel together.** ``global_num_tokens``,
+``global_num_seqs``, ``dp_size`` and ``norm_length`` are accepted by
+:func:`agg_loss` and by every loss as keyword arguments
+(:class:`AggregationKwargs`); :func:`global_batch_info` returns them as an
+:class:`Aggregation`, which unpacks with ``**`` into any of those calls.
+A loss checks them once (:meth:`Aggregation.of`) and hands the bundle to
+:func:`aggregate`, the trusting core of :func:`agg_loss`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import (
     check_choice,
@@ -42,9 +52,17 @@ from rlmath._validation import (
     check_mask,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
 
-__all__ = ["LOSS_AGG_MODES", "agg_loss", "global_batch_info"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "Aggregation",
+    "AggregationKwargs",
+    "agg_loss",
+    "aggregate",
+    "global_batch_info",
+]
 
 #: Every ``loss_agg_mode`` accepted by :func:`agg_loss` and the losses.
 LOSS_AGG_MODES: tuple[str, ...] = (
@@ -58,11 +76,16 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 Count = torch.Tensor | int | float | None
 
 
-def check_dp_size(dp_size: object) -> int:
-    return check_int("dp_size", dp_size, 1)
+class AggregationKwargs(TypedDict, total=False):
+    """The keyword arguments every loss accepts for its aggregation (see :class:`Aggregation`)."""
+
+    global_num_tokens: Count
+    global_num_seqs: Count
+    dp_size: int
+    norm_length: float | None
 
 
-def _check_count(name: str, value: Count) -> None:
+def _check_count(name: str, value: Count) -> Count:
     """A global count: a finite number > 0, or a one-element real tensor (not read: no sync).
 
     A Python (or numpy) number is checked here, on the host. A tensor is only
@@ -70,13 +93,13 @@ def _check_count(name: str, value: Count) -> None:
     :func:`_divide`, which turns a non-finite or negative count into a NaN loss.
     """
     if value is None:
-        return
+        return None
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} must be a real-valued tensor, got dtype {value.dtype}")
-        return
+        return value
     try:
         count = check_finite_scalar(name, value)
     except TypeError:
@@ -88,6 +111,74 @@ def _check_count(name: str, value: Count) -> None:
             f"{name} must be > 0 (the number of valid tokens or sequences of the whole "
             f"optimizer step), got {count:g}"
         )
+    return count
+
+
+@dataclass(frozen=True)
+class Aggregation(Mapping[str, Any]):
+    """How a per-token loss is reduced across sequences, ranks and micro-batches.
+
+    A mapping of the :class:`AggregationKwargs` it sets (``dp_size`` and every
+    field that is not ``None``), so ``**aggregation`` passes them to
+    :func:`agg_loss` or any loss, next to explicit keywords for the others;
+    :func:`global_batch_info` returns one.
+
+    Attributes:
+        global_num_tokens: valid tokens (Σ mask) of the whole optimizer step over
+            every rank and micro-batch, for ``token-mean``: a number, or a 0-d
+            tensor kept on its device (never read on the host). ``None``: the
+            local count (right only without data parallelism and gradient
+            accumulation). A number must be finite and > 0; a tensor count of 0
+            gives a loss of 0, a negative, inf or NaN one a NaN loss.
+        global_num_seqs: sequences with at least one valid token in the whole
+            step, for the ``seq-mean-*`` modes; same rules.
+        dp_size: data-parallel ranks whose gradients DDP/FSDP average; with
+            ``dp_size > 1`` the mode's global count is required and the loss is
+            multiplied by ``dp_size`` to undo the averaging.
+        norm_length: the constant Dr.GRPO divides by, required for
+            ``seq-mean-token-sum-norm`` (the maximum response length of the run).
+    """
+
+    global_num_tokens: Count = None
+    global_num_seqs: Count = None
+    dp_size: int = 1
+    norm_length: float | None = None
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> Aggregation:
+        """A checked :class:`Aggregation` from keyword arguments (unknown names raise)."""
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the aggregation "
+                "arguments are global_num_tokens, global_num_seqs, dp_size, norm_length"
+            )
+        norm_length = kwargs.get("norm_length")
+        if norm_length is not None:
+            norm_length = check_in_range("norm_length", norm_length, 0.0, None, low_inclusive=False)
+        return cls(
+            global_num_tokens=_check_count("global_num_tokens", kwargs.get("global_num_tokens")),
+            global_num_seqs=_check_count("global_num_seqs", kwargs.get("global_num_seqs")),
+            dp_size=check_int("dp_size", kwargs.get("dp_size", 1), 1),
+            norm_length=norm_length,
+        )
+
+    # As a mapping it holds the fields that are set (``dp_size`` always), so that
+    # ``**aggregation`` combines with explicit keywords for the others.
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        names = ("global_num_tokens", "global_num_seqs", "dp_size", "norm_length")
+        return tuple(k for k in names if k == "dp_size" or getattr(self, k) is not None)
 
 
 def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:
@@ -111,11 +202,7 @@ def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    *,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> torch.Tensor:
     """Reduce a per-token loss matrix to the scalar to backpropagate.
 
@@ -126,27 +213,11 @@ def agg_loss(
             shape. Positions with mask 0 never influence the result or the
             gradient, even when ``loss_mat`` holds NaN or inf there.
         loss_agg_mode: one of :data:`LOSS_AGG_MODES` (module docstring).
-        global_num_tokens: number of valid tokens (Σ mask) of the whole
-            optimizer step over every rank and micro-batch, for ``token-mean``.
-            A 0-d tensor (kept on device: no host sync) or a number. ``None``
-            uses the local count, which is only right without data
-            parallelism and without gradient accumulation. A number (Python
-            or numpy) must be finite and ``> 0``, else ``ValueError``. A
-            tensor is never read on the host: a count of 0 (no valid token in
-            the whole step, as :func:`global_batch_info` returns then) gives
-            a loss of 0, and a negative, inf or NaN count gives a NaN loss
-            (and NaN gradients), so that it cannot pass silently as 0.
-        global_num_seqs: number of sequences with at least one valid token in
-            the whole optimizer step, for the ``seq-mean-*`` modes; same rules
-            as ``global_num_tokens``.
-        dp_size: number of data-parallel ranks whose gradients DDP/FSDP
-            average. With ``dp_size > 1`` the global count of the mode is
-            required and the loss is multiplied by ``dp_size`` to undo the
-            averaging.
-        norm_length: the constant Dr.GRPO divides by, required for
-            ``seq-mean-token-sum-norm`` (use the maximum response length of
-            the run). verl silently falls back to the padded width of each
-            micro-batch, which changes with the batch; rlmath raises instead.
+        **aggregation: ``global_num_tokens``, ``global_num_seqs``, ``dp_size``,
+            ``norm_length`` (:class:`AggregationKwargs`, documented on
+            :class:`Aggregation`), or ``**global_batch_info(...)``. verl
+            silently falls back to the padded width of each micro-batch for
+            ``norm_length``; rlmath requires it for ``seq-mean-token-sum-norm``.
 
     Returns:
         0-d tensor, fp32 (fp64 for fp64 ``loss_mat``). A batch with no valid
@@ -155,81 +226,98 @@ def agg_loss(
     check_tensor("loss_mat", loss_mat, floating=True)
     check_mask("loss_mask", loss_mask, "loss_mat", loss_mat)
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    dp_size = check_dp_size(dp_size)
-    _check_count("global_num_tokens", global_num_tokens)
-    _check_count("global_num_seqs", global_num_seqs)
+    agg = Aggregation.of(aggregation)
     if loss_mat.dim() == 0:
         raise ValueError("loss_mat must have at least one dimension (tokens), got a 0-d tensor")
-
     dtype = result_dtype(loss_mat)
-    valid = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
-    weight = torch.where(valid, loss_mask.to(dtype), 0)
-    weighted = torch.where(valid, loss_mat.to(dtype), 0) * weight
+    valid = valid_mask(loss_mask)
+    return aggregate(
+        loss_mat.to(dtype), valid, torch.where(valid, loss_mask.to(dtype), 0), loss_agg_mode, agg
+    )
 
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    valid: torch.Tensor,
+    weight: torch.Tensor,
+    loss_agg_mode: str,
+    agg: Aggregation,
+) -> torch.Tensor:
+    """The core of :func:`agg_loss`, for inputs a caller has already checked.
+
+    Args:
+        loss_mat: ``(*, T)`` per-token losses in the result dtype (any value
+            where ``valid`` is False: they are selected out).
+        valid: ``(*, T)`` bool mask.
+        weight: ``(*, T)`` mask weights in the result dtype, 0 where not valid.
+        loss_agg_mode: a member of :data:`LOSS_AGG_MODES`.
+        agg: the checked aggregation arguments.
+    """
+    weighted = torch.where(valid, loss_mat, 0) * weight
+    dp_size = agg.dp_size
     if loss_agg_mode == "token-sum":
         return weighted.sum() * dp_size
-
     if loss_agg_mode == "token-mean":
-        if global_num_tokens is None:
+        tokens = agg.global_num_tokens
+        if tokens is None:
             if dp_size > 1:
                 raise ValueError(
                     "global_num_tokens is required for loss_agg_mode 'token-mean' when "
                     f"dp_size > 1 (got dp_size={dp_size}); compute it with global_batch_info"
                 )
-            global_num_tokens = weight.sum()
-        return _divide(weighted.sum(), global_num_tokens) * dp_size
-
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        if norm_length is None:
-            raise ValueError(
-                "norm_length is required for loss_agg_mode 'seq-mean-token-sum-norm' "
-                "(Dr.GRPO divides by a constant: pass the maximum response length; "
-                "verl's fallback to the padded width varies between micro-batches)"
-            )
-        norm_length = check_in_range("norm_length", norm_length, 0.0, None, low_inclusive=False)
-
+            tokens = weight.sum()
+        return _divide(weighted.sum(), tokens) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm" and agg.norm_length is None:
+        raise ValueError(
+            "norm_length is required for loss_agg_mode 'seq-mean-token-sum-norm' "
+            "(Dr.GRPO divides by a constant: pass the maximum response length; "
+            "verl's fallback to the padded width varies between micro-batches)"
+        )
     seq_total = weighted.sum(dim=-1)
     seq_tokens = weight.sum(dim=-1)
     seq_valid = seq_tokens > 0
     if loss_agg_mode == "seq-mean-token-mean":
         per_seq = seq_total / torch.where(seq_valid, seq_tokens, torch.ones_like(seq_tokens))
     elif loss_agg_mode == "seq-mean-token-sum-norm":
-        assert norm_length is not None
-        per_seq = seq_total / float(norm_length)
+        assert agg.norm_length is not None
+        per_seq = seq_total / float(agg.norm_length)
     else:
         per_seq = seq_total
-    if global_num_seqs is None:
+    seqs = agg.global_num_seqs
+    if seqs is None:
         if dp_size > 1:
             raise ValueError(
                 f"global_num_seqs is required for loss_agg_mode {loss_agg_mode!r} when "
                 f"dp_size > 1 (got dp_size={dp_size}); compute it with global_batch_info"
             )
-        global_num_seqs = seq_valid.sum().to(dtype)
+        seqs = seq_valid.sum().to(weight.dtype)
     total = torch.where(seq_valid, per_seq, 0).sum()
-    return _divide(total, global_num_seqs) * dp_size
+    return _divide(total, seqs) * dp_size
 
 
 def global_batch_info(
     loss_mask: torch.Tensor | Sequence[torch.Tensor],
     group: Any = None,
-) -> dict[str, Any]:
-    """Token and sequence counts of a whole optimizer step, for :func:`agg_loss`.
+) -> Aggregation:
+    """Token and sequence counts of a whole optimizer step, for :func:`agg_loss` and the losses.
 
     Args:
         loss_mask: this rank's mask for the whole optimizer step: one tensor
             ``(*, T)`` or a sequence of micro-batch masks (their widths may
             differ). Bool, 0/1 or non-negative weights.
-        group: a ``torch.distributed`` process group. When given, the counts
-            are summed over it with one all-reduce (the tensor stays on the
-            mask's device: no host sync) and ``dp_size`` is its size. ``None``
-            means no communication: the counts are local and ``dp_size`` is 1
-            (pass ``torch.distributed.group.WORLD`` to use the default group).
+        group: the ``torch.distributed`` process group over which the batch is
+            split, as everywhere in :mod:`rlmath.distributed`: ``None`` is the
+            default (world) group when torch.distributed is initialized, else
+            this process alone. The counts are summed over it with one
+            all-reduce (on the mask's device: no host sync) and ``dp_size`` is
+            its size.
 
     Returns:
-        ``{"global_num_tokens": t, "global_num_seqs": s, "dp_size": R}`` where
-        ``t`` and ``s`` are 0-d fp64 tensors (fp32 on devices without fp64),
-        ready to be passed as ``**info`` to :func:`agg_loss` and every loss.
-        A fully masked sequence does not count in ``s``.
+        An :class:`Aggregation` with ``global_num_tokens`` and
+        ``global_num_seqs`` as 0-d fp64 tensors (fp32 on devices without
+        fp64) and ``dp_size``; pass it as ``**info`` to :func:`agg_loss` and
+        every loss. A fully masked sequence does not count in
+        ``global_num_seqs``.
     """
     masks = [loss_mask] if isinstance(loss_mask, torch.Tensor) else list(loss_mask)
     if not masks:
@@ -246,15 +334,18 @@ def global_batch_info(
     dtype = torch.float32 if device.type == "mps" else torch.float64
     counts = torch.zeros(2, dtype=dtype, device=device)
     for m in masks:
-        valid = m if m.dtype == torch.bool else m != 0
+        valid = valid_mask(m)
         weight = torch.where(valid, m.to(dtype), 0)
         counts = counts + torch.stack([weight.sum(), (weight.sum(dim=-1) > 0).sum().to(dtype)])
-    dp_size = 1
-    if group is not None:
-        import torch.distributed as dist
+    # Imported here: single-process callers never load torch.distributed code.
+    import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("group was given but torch.distributed is not initialized")
+    from rlmath.engine.groups import group_size, is_distributed
+
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialized")
+    dp_size = 1
+    if is_distributed(group):
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        dp_size = dist.get_world_size(group)
-    return {"global_num_tokens": counts[0], "global_num_seqs": counts[1], "dp_size": dp_size}
+        dp_size = group_size(group)
+    return Aggregation(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=dp_size)

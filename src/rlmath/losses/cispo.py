@@ -20,9 +20,15 @@ TRL's ``epsilon_high=E`` is ``clip_ratio_high=E − 1`` here.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import clip_bounds, policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import (
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_cispo"]
 
@@ -39,11 +45,8 @@ def compute_policy_loss_cispo(
     clip_ratio_high: float | None = None,
     upper_only: bool = False,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO loss (verl's two-sided definition; ``upper_only=True`` for TRL's).
 
@@ -53,6 +56,7 @@ def compute_policy_loss_cispo(
     to ``1 − ε_low`` (CISPO rescales these tokens' gradients, it never removes
     them); verl counts every token outside the band, whatever its advantage.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if not isinstance(upper_only, bool):
         raise TypeError(f"upper_only must be a bool, got {type(upper_only).__name__}")
@@ -64,11 +68,7 @@ def compute_policy_loss_cispo(
     weight = r.clamp(max=1 + high) if upper_only else r.clamp(1 - low, 1 + high)
     adv = inp.advantages
     loss_mat = -weight * adv * inp.log_prob
-    loss = agg_loss(
-        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     active = adv != 0
     clipped_low = None if upper_only else active & (r < 1 - low)
     metrics = policy_metrics(inp, clipped_high=active & (r > 1 + high), clipped_low=clipped_low)

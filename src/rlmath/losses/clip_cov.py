@@ -30,13 +30,19 @@ slice as ``selection=``; with the selection fixed, the losses are exact under
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range, check_same_shape, check_tensor
+from rlmath.losses._policy_inputs import (
+    PolicyInputs,
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
 from rlmath.losses._selection import random_subset, selection_count, top_k
-from rlmath.losses.aggregation import Count, agg_loss
+from rlmath.losses.aggregation import AggregationKwargs
 from rlmath.losses.ppo_clip import ppo_clip_regions
-from rlmath.losses.ratio import PolicyInputs, clip_bounds, policy_metrics, prepare_policy_inputs
-from rlmath.masked import masked_mean
 
 __all__ = [
     "clip_cov_selection",
@@ -48,7 +54,7 @@ __all__ = [
 
 def _covariance(inp: PolicyInputs) -> torch.Tensor:
     adv, logp = inp.advantages, inp.log_prob.detach()
-    return (adv - masked_mean(adv, inp.mask)) * (logp - masked_mean(logp, inp.mask))
+    return (adv - inp.mean(adv)) * (logp - inp.mean(logp))
 
 
 def _check_selection(selection: torch.Tensor, inp: PolicyInputs) -> torch.Tensor:
@@ -128,11 +134,8 @@ def compute_policy_loss_clip_cov(
     generator: torch.Generator | None = None,
     selection: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov: PPO's clipped loss (no dual clip) with a covariance-selected subset detached.
 
@@ -146,6 +149,7 @@ def compute_policy_loss_clip_cov(
     (both lose their gradient; verl's ``pg_clipfrac`` counts the selected ones
     only), ``clip_cov_frac`` the selected fraction.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     _check_clip_cov(clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     inp = prepare_policy_inputs(
@@ -163,11 +167,7 @@ def compute_policy_loss_clip_cov(
         selected = _check_selection(selection, inp)
     loss_mat = torch.where(clipped, -adv * ratio.clamp(1 - low, 1 + high), -adv * ratio)
     loss_mat = torch.where(selected, 0, loss_mat)
-    loss = agg_loss(
-        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     metrics = policy_metrics(
         inp,
         clipped_high=clipped_high | (selected & (adv > 0)),
@@ -207,11 +207,8 @@ def compute_policy_loss_kl_cov(
     generator: torch.Generator | None = None,
     selection: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: ``−r·A`` everywhere, plus ``ppo_kl_coef·|log r|`` on the top-covariance tokens.
 
@@ -224,6 +221,7 @@ def compute_policy_loss_kl_cov(
     the masked mean of ``|log r|`` (what verl reports as ``ppo_kl`` for this
     loss); ``kl_cov_frac`` the selected fraction.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     kl_cov_ratio = check_in_range("kl_cov_ratio", kl_cov_ratio, 0.0, 1.0, low_inclusive=False)
     ppo_kl_coef = check_in_range("ppo_kl_coef", ppo_kl_coef, 0.0, None)
     inp = prepare_policy_inputs(
@@ -237,12 +235,8 @@ def compute_policy_loss_kl_cov(
         selected = _check_selection(selection, inp)
     base = -inp.advantages * inp.ratio
     loss_mat = torch.where(selected, base + ppo_kl_coef * inp.log_ratio.abs(), base)
-    loss = agg_loss(
-        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     metrics = policy_metrics(inp)
-    metrics["ppo_kl_abs"] = masked_mean(inp.log_ratio.detach().abs(), inp.mask).detach()
+    metrics["ppo_kl_abs"] = inp.mean(inp.log_ratio.detach().abs()).detach()
     metrics["kl_cov_frac"] = inp.frac(selected)
     return loss, metrics

@@ -35,10 +35,17 @@ from __future__ import annotations
 import math
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import PolicyInputs, clip_bounds, policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import (
+    PolicyInputs,
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
+from rlmath.losses.aggregation import Aggregation, AggregationKwargs
 
 __all__ = ["binary_kl", "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv"]
 
@@ -68,12 +75,12 @@ def _dppo(
     valid: torch.Tensor,
     clip_ratio_c: float,
     loss_agg_mode: str,
-    agg_kwargs: dict,
+    agg: Aggregation,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     adv = inp.advantages
     trunc = inp.ratio.detach().clamp(max=clip_ratio_c)
     loss_mat = torch.where(valid, -adv * trunc * inp.log_prob, 0)
-    loss = agg_loss(inp.apply_is_weights(loss_mat), inp.mask, loss_agg_mode, **agg_kwargs)
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     truncated = valid & (adv != 0) & (inp.ratio.detach() > clip_ratio_c)
     metrics = policy_metrics(
         inp,
@@ -96,11 +103,8 @@ def compute_policy_loss_dppo_tv(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV loss.
 
@@ -110,6 +114,7 @@ def compute_policy_loss_dppo_tv(
     fractions of A > 0 / A < 0 tokens outside the trust region,
     ``pg_clipfrac_lower`` the fraction of kept tokens whose ratio was truncated.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
@@ -119,11 +124,7 @@ def compute_policy_loss_dppo_tv(
     diff = torch.exp(inp.log_prob.detach().clamp(max=0)) - torch.exp(inp.old_log_prob.clamp(max=0))
     # Written as "not outside" so that NaN on a valid token stays visible in the loss.
     valid = ~torch.where(inp.advantages > 0, diff > high, diff < -low)
-    agg_kwargs = dict(
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
-    return _dppo(inp, valid, clip_ratio_c, loss_agg_mode, agg_kwargs)
+    return _dppo(inp, valid, clip_ratio_c, loss_agg_mode, agg)
 
 
 def compute_policy_loss_dppo_kl(
@@ -138,13 +139,11 @@ def compute_policy_loss_dppo_kl(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL loss; as :func:`compute_policy_loss_dppo_tv` with KL thresholds."""
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
@@ -156,8 +155,4 @@ def compute_policy_loss_dppo_kl(
     # Outside: too far *and* moving in the direction the advantage pushes.
     outside = torch.where(inp.advantages > 0, (kl > high) & (new > old), (kl > low) & (new < old))
     valid = ~outside
-    agg_kwargs = dict(
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
-    return _dppo(inp, valid, clip_ratio_c, loss_agg_mode, agg_kwargs)
+    return _dppo(inp, valid, clip_ratio_c, loss_agg_mode, agg)

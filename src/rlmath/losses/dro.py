@@ -15,10 +15,11 @@ input.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_dro"]
 
@@ -32,16 +33,14 @@ def compute_policy_loss_dro(
     loss_agg_mode: str = "token-mean",
     dro_beta: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DRO loss; ``dro_beta`` (β > 0) is required, as in verl (whose default is None).
 
     Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_vanilla`.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     if dro_beta is None:
         raise ValueError("dro_beta is required for the DRO loss (a number > 0), got None")
     dro_beta = check_in_range("dro_beta", dro_beta, 0.0, None, low_inclusive=False)
@@ -50,9 +49,5 @@ def compute_policy_loss_dro(
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
     loss_mat = -(inp.advantages * inp.log_prob - 0.5 * dro_beta * inp.log_ratio.square())
-    loss = agg_loss(
-        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     return loss, policy_metrics(inp)

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath._validation import check_in_range, check_mask, check_tensor
-from rlmath.logprobs.entropy import entropy_from_logits
-from rlmath.losses.aggregation import Count, agg_loss
+from rlmath._validation import (
+    check_choice,
+    check_in_range,
+    check_mask,
+    check_tensor,
+    result_dtype,
+    valid_mask,
+)
+from rlmath.logprobs.log_probs import log_probs_and_entropy_from_logits
+from rlmath.losses.aggregation import LOSS_AGG_MODES, Aggregation, AggregationKwargs, aggregate
+
+_SKIP = -1  # the label of masked positions: the entropy there is never computed
 
 __all__ = ["compute_entropy_loss"]
 
@@ -18,10 +28,7 @@ def compute_entropy_loss(
     *,
     temperature: float = 1.0,
     sanitize_logits: bool = True,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> torch.Tensor:
     """``agg(H(softmax(logits / temperature)))`` over the valid tokens.
 
@@ -29,12 +36,14 @@ def compute_entropy_loss(
         logits: shape ``(B, T, V)``, any float dtype (bf16 is not upcast as a
             whole: the entropy is computed in fp32 chunk by chunk).
         response_mask: bool or 0/1, shape ``(B, T)``.
-        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, norm_length:
-            see :func:`rlmath.agg_loss`.
+        loss_agg_mode: see :func:`rlmath.agg_loss`.
         temperature: the sampling temperature (> 0).
-        sanitize_logits: replace the logits of masked rows by 0 first, so that
-            NaN/inf there cannot reach the gradient. This costs one copy of
-            ``logits``; pass False when masked rows are known to be finite.
+        sanitize_logits: accepted for compatibility and no longer needed: the
+            logits of masked rows are never read (they are skipped as ignored
+            positions of the vocabulary engine), so NaN or inf there cannot
+            reach the loss or the gradient, without copying ``logits``.
+        **aggregation: ``global_num_tokens``, ``global_num_seqs``, ``dp_size``,
+            ``norm_length`` (:class:`rlmath.losses.aggregation.Aggregation`).
 
     Returns:
         0-d tensor, fp32 (fp64 for fp64 logits). Subtract ``coef ·`` it from
@@ -44,13 +53,16 @@ def compute_entropy_loss(
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape (*, T, V), got {tuple(logits.shape)}")
     check_mask("response_mask", response_mask, "logits[..., 0]", logits[..., 0])
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    agg = Aggregation.of(aggregation)
     temperature = check_in_range("temperature", temperature, 0.0, None, low_inclusive=False)
-    if sanitize_logits:
-        valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-        logits = torch.where(valid.unsqueeze(-1), logits, 0)
-    entropy = entropy_from_logits(logits, temperature=float(temperature))
-    return agg_loss(
-        entropy, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    del sanitize_logits
+    valid = valid_mask(response_mask)
+    labels = torch.where(valid, 0, _SKIP)
+    _, entropy = log_probs_and_entropy_from_logits(
+        logits, labels, temperature=temperature, ignore_index=_SKIP
+    )
+    dtype = result_dtype(logits)
+    return aggregate(
+        entropy, valid, torch.where(valid, response_mask.to(dtype), 0), loss_agg_mode, agg
+    )

@@ -20,10 +20,15 @@ the paper's mean over sequences.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import clip_bounds, policy_metrics, prepare_policy_inputs
-from rlmath.masked import masked_mean
+from rlmath.losses._policy_inputs import (
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
+from rlmath.losses.aggregation import AggregationKwargs, aggregate
 
 __all__ = ["compute_policy_loss_geo_mean"]
 
@@ -39,11 +44,8 @@ def compute_policy_loss_geo_mean(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO loss.
 
@@ -53,6 +55,7 @@ def compute_policy_loss_geo_mean(
     row, fully masked ones included; rlmath honours the mode and never counts
     a fully masked sequence.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
@@ -61,19 +64,15 @@ def compute_policy_loss_geo_mean(
     x, adv = inp.clamped_log_ratio, inp.advantages
     sign = torch.sign(adv)
     x_tilde = sign * torch.minimum(sign * x, sign * x.clamp(-low, high))
-    seq_log_ratio = masked_mean(x_tilde, inp.mask, axis=-1)
-    seq_adv = masked_mean(adv, inp.mask, axis=-1)
+    seq_log_ratio = inp.mean(x_tilde, axis=-1)
+    seq_adv = inp.mean(adv, axis=-1)
     seq_loss = -seq_adv * torch.exp(seq_log_ratio)
     if rollout_is_weights is not None:
         assert inp.is_weights is not None
         log_w = torch.log(inp.is_weights.clamp(min=0) + 1e-10)
-        seq_loss = seq_loss * torch.exp(masked_mean(log_w, inp.mask, axis=-1))
+        seq_loss = seq_loss * torch.exp(inp.mean(log_w, axis=-1))
     loss_mat = seq_loss.unsqueeze(-1).expand_as(x)
-    loss = agg_loss(
-        loss_mat, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = aggregate(loss_mat, inp.valid, inp.weights, loss_agg_mode, agg)
     xd = x.detach()
     metrics = policy_metrics(
         inp, clipped_high=(adv > 0) & (xd > high), clipped_low=(adv < 0) & (xd < -low)

@@ -8,9 +8,10 @@ estimator is in :mod:`rlmath.advantages`.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_gpg"]
 
@@ -23,11 +24,8 @@ def compute_policy_loss_gpg(
     *,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG loss ``−A · log π_θ`` per token, aggregated.
 
@@ -35,13 +33,10 @@ def compute_policy_loss_gpg(
     ``old_log_prob`` only feeds the metrics (``ppo_kl``); verl returns no
     metrics for GPG.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
-    loss = agg_loss(
-        inp.apply_is_weights(-inp.advantages * inp.log_prob), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(-inp.advantages * inp.log_prob, loss_agg_mode, agg)
     return loss, policy_metrics(inp)

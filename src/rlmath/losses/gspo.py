@@ -30,10 +30,17 @@ aggregation mode gives the paper's sequence-level gradient.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath.losses.aggregation import Count, agg_loss
+from rlmath.losses._policy_inputs import (
+    PolicyInputs,
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
+from rlmath.losses.aggregation import AggregationKwargs, aggregate
 from rlmath.losses.ppo_clip import ppo_clip_regions
-from rlmath.losses.ratio import PolicyInputs, clip_bounds, policy_metrics, prepare_policy_inputs
 from rlmath.masked import masked_mean
 
 __all__ = [
@@ -69,7 +76,8 @@ def _gspo(
     high: float,
     log_ratio_clamp: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    seq_lr = sequence_log_ratio(inp.log_ratio, inp.mask, log_ratio_clamp=log_ratio_clamp)
+    seq_lr = inp.mean(inp.log_ratio.detach().clamp(-log_ratio_clamp, log_ratio_clamp), axis=-1)
+    seq_lr = seq_lr.unsqueeze(-1)
     # Straight-through: value s_i, gradient s_i ∇log π_θ per token. Built from the
     # clamped log-ratio (value exactly 0, never inf − inf; no gradient beyond the
     # clamp, as in the token-level losses).
@@ -80,7 +88,9 @@ def _gspo(
     clipped = clipped_high | clipped_low
     loss_mat = torch.where(clipped, -adv * seq_ratio.clamp(1 - low, 1 + high), -adv * seq_ratio)
     metrics = policy_metrics(inp, clipped_high=clipped_high, clipped_low=clipped_low)
-    metrics["seq_log_ratio_mean"] = masked_mean(seq_lr.squeeze(-1), inp.valid.any(dim=-1)).detach()
+    live = inp.valid.any(dim=-1)  # sequences with a valid token
+    seq_mean = torch.where(live, seq_lr.squeeze(-1), 0).sum() / live.sum().clamp_min(1)
+    metrics["seq_log_ratio_mean"] = seq_mean.detach()
     return inp.apply_is_weights(loss_mat), metrics
 
 
@@ -95,29 +105,23 @@ def compute_policy_loss_gspo_seq(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The paper's GSPO with one advantage per sequence (the masked mean of ``advantages``).
 
     Arguments, shapes and returns as :func:`rlmath.compute_policy_loss_gspo`.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
-    seq_adv = masked_mean(inp.advantages, inp.mask, axis=-1).unsqueeze(-1)
+    seq_adv = inp.mean(inp.advantages, axis=-1).unsqueeze(-1)
     adv = torch.where(inp.valid, seq_adv.expand_as(inp.advantages), 0)
     loss_mat, metrics = _gspo(inp, adv, low, high, log_ratio_clamp)
-    loss = agg_loss(
-        loss_mat, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = aggregate(loss_mat, inp.valid, inp.weights, loss_agg_mode, agg)
     return loss, metrics
 
 
@@ -132,11 +136,8 @@ def compute_policy_loss_gspo(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO(-token): the sequence ratio with per-token advantages; verl's ``gspo``.
 
@@ -146,17 +147,14 @@ def compute_policy_loss_gspo(
     ``seq-mean-token-mean`` (the paper's sequence mean). Extra metric:
     ``seq_log_ratio_mean`` (mean over sequences of log s_i).
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
     loss_mat, metrics = _gspo(inp, inp.advantages, low, high, log_ratio_clamp)
-    loss = agg_loss(
-        loss_mat, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = aggregate(loss_mat, inp.valid, inp.weights, loss_agg_mode, agg)
     return loss, metrics
 
 

@@ -14,10 +14,16 @@ loss of negative-advantage tokens whose ratio exploded: for ``A < 0``,
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import clip_bounds, policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import (
+    check_loss_args,
+    clip_bounds,
+    policy_metrics,
+    prepare_policy_inputs,
+)
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_vanilla", "ppo_clip_regions"]
 
@@ -47,11 +53,8 @@ def compute_policy_loss_vanilla(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped policy loss with optional asymmetric ranges and dual clip.
 
@@ -80,6 +83,7 @@ def compute_policy_loss_vanilla(
         ``pg_clipfrac_low``, ``pg_clipfrac_lower`` = dual-clip fraction,
         ``ppo_kl``, ``log_ratio_clamped_frac``).
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         clip_ratio_c = check_in_range("clip_ratio_c", clip_ratio_c, 1.0, None, low_inclusive=False)
@@ -95,11 +99,7 @@ def compute_policy_loss_vanilla(
     if clip_ratio_c is not None:
         dual = (adv < 0) & (ratio.detach() > clip_ratio_c)
         loss_mat = torch.where(dual, -adv * clip_ratio_c, loss_mat)
-    loss = agg_loss(
-        inp.apply_is_weights(loss_mat), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     metrics = policy_metrics(
         inp, clipped_high=clipped_high, clipped_low=clipped_low, clipped_lower=dual
     )

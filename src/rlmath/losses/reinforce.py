@@ -11,9 +11,10 @@ feeds the ``ppo_kl`` metric.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_reinforce"]
 
@@ -26,11 +27,8 @@ def compute_policy_loss_reinforce(
     *,
     loss_agg_mode: str = "seq-mean-token-sum",
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE loss ``−w·A·log π_θ`` per token, aggregated.
 
@@ -39,13 +37,10 @@ def compute_policy_loss_reinforce(
     ``rollout_log_prob``). The default aggregation ``seq-mean-token-sum`` is
     verl's for this loss.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     inp = prepare_policy_inputs(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
-    loss = agg_loss(
-        inp.apply_is_weights(-inp.advantages * inp.log_prob), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(-inp.advantages * inp.log_prob, loss_agg_mode, agg)
     return loss, policy_metrics(inp)

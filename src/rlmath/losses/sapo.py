@@ -13,10 +13,11 @@ damps negative-advantage updates more strongly.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import policy_metrics, prepare_policy_inputs
+from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
+from rlmath.losses.aggregation import AggregationKwargs
 
 __all__ = ["compute_policy_loss_sapo"]
 
@@ -31,11 +32,8 @@ def compute_policy_loss_sapo(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     rollout_is_weights: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO's soft-gated policy loss.
 
@@ -46,6 +44,7 @@ def compute_policy_loss_sapo(
     ``loss_agg_mode`` is honoured. No token is clipped, so the clip-fraction
     metrics are 0.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     tau_pos = check_in_range("tau_pos", tau_pos, 0.0, None, low_inclusive=False)
     tau_neg = check_in_range("tau_neg", tau_neg, 0.0, None, low_inclusive=False)
     inp = prepare_policy_inputs(
@@ -55,9 +54,5 @@ def compute_policy_loss_sapo(
     adv = inp.advantages
     tau = torch.where(adv > 0, adv.new_full((), tau_pos), adv.new_full((), tau_neg))
     gate = torch.sigmoid(tau * (inp.ratio - 1)) * (4 / tau)
-    loss = agg_loss(
-        inp.apply_is_weights(-gate * adv), response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(-gate * adv, loss_agg_mode, agg)
     return loss, policy_metrics(inp)

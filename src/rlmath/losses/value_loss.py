@@ -9,16 +9,18 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import (
+    check_choice,
     check_in_range,
     check_mask,
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.masked import masked_mean
+from rlmath.losses.aggregation import LOSS_AGG_MODES, Aggregation, AggregationKwargs, aggregate
 
 __all__ = ["compute_value_loss"]
 
@@ -30,11 +32,7 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
-    *,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value-function loss and the fraction of tokens where the clipped term was larger.
 
@@ -46,8 +44,9 @@ def compute_value_loss(
         response_mask: bool or 0/1, shape ``(B, T)``; values under 0 never
             reach the loss, the metric or the gradient.
         cliprange_value: c >= 0, or None for no clipping.
-        loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, norm_length:
-            see :func:`rlmath.agg_loss`.
+        loss_agg_mode: see :func:`rlmath.agg_loss`.
+        **aggregation: ``global_num_tokens``, ``global_num_seqs``, ``dp_size``,
+            ``norm_length`` (:class:`rlmath.losses.aggregation.Aggregation`).
 
     Returns:
         ``(vf_loss, vf_clipfrac)``: 0-d tensors, fp32 (fp64 for fp64 inputs);
@@ -59,8 +58,11 @@ def compute_value_loss(
     check_same_shape("returns", returns, "vpreds", vpreds)
     check_same_shape("values", values, "vpreds", vpreds)
     check_mask("response_mask", response_mask, "vpreds", vpreds)
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    agg = Aggregation.of(aggregation)
     dtype = result_dtype(vpreds, returns, values)
-    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    valid = valid_mask(response_mask)
+    weight = torch.where(valid, response_mask.to(dtype), 0)
     pred = torch.where(valid, vpreds.to(dtype), 0)
     target = torch.where(valid, returns.detach().to(dtype), 0)
     loss1 = (pred - target).square()
@@ -73,10 +75,7 @@ def compute_value_loss(
         loss2 = (torch.clamp(pred, old - c, old + c) - target).square()
         larger = loss2 > loss1
         loss_mat = torch.where(larger, loss2, loss1)
-        clipfrac = masked_mean(larger.to(dtype), response_mask).detach()
-    loss = 0.5 * agg_loss(
-        loss_mat, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+        n = weight.sum()
+        clipfrac = ((larger.to(dtype) * weight).sum() / torch.where(n == 0, 1.0, n)).detach()
+    loss = 0.5 * aggregate(loss_mat, valid, weight, loss_agg_mode, agg)
     return loss, clipfrac

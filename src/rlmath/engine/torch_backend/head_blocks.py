@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rlmath.engine.policy import elementwise_rows, is_cpu, spans
+from rlmath.engine import policy
+from rlmath.engine.policy import elementwise_rows, spans
 from rlmath.engine.torch_backend.buffers import TileWorkspace
 
 __all__ = ["HeadBlocks"]
@@ -50,7 +51,7 @@ class HeadBlocks:
         scale: float = 1.0,
         softcap: float | None = None,
     ):
-        if live is not None and is_cpu(hidden.device) and bool(live.all()):
+        if live is not None and policy.reads_host(hidden.device) and bool(live.all()):
             live = None  # nothing to replace: skip the copy of every chunk
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.labels, self.owned, self.live = labels, owned, live

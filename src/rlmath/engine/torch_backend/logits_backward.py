@@ -16,7 +16,8 @@ import bisect
 
 import torch
 
-from rlmath.engine.policy import auto_chunk_size, is_cpu
+from rlmath.engine import policy
+from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource, real_columns
@@ -149,7 +150,9 @@ def logits_grad(
     # On a CPU only the chunks holding ignored rows are masked (reading `dead` on
     # the host costs nothing there); elsewhere every chunk is, without a host read.
     dead_col = dead.unsqueeze(-1) if dead is not None else None
-    dead_rows = torch.nonzero(dead).flatten().tolist() if dead is not None and is_cpu(dev) else None
+    dead_rows = None
+    if dead is not None and policy.reads_host(dev):
+        dead_rows = torch.nonzero(dead).flatten().tolist()
     for a, b in src.ranges(chunk, *((dst,) if dst is not None else ())):
         out = dst.get(a, b) if dst is not None else ws.get("gi", b - a, dtype=logits.dtype)
         chunk_grad(

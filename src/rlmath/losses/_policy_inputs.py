@@ -1,30 +1,38 @@
-"""Shared pieces of every policy loss: input checks, masked inputs, clamped ratios, metrics.
+"""The base of every policy loss: input checks, masked inputs, clamped ratios, metrics.
 
-Every policy loss starts from :func:`prepare_policy_inputs`, which replaces
-whatever sits under ``response_mask == 0`` (NaN, inf, garbage) by 0 with
-``torch.where`` before any arithmetic, so masked positions can never reach a
-value, a metric or a gradient. The log-ratio ``log π − log π_old`` is clamped
-to ``±log_ratio_clamp`` (default 20) in fp32 before ``exp`` (like verl).
+Every policy loss starts from :func:`prepare_policy_inputs`, which checks its
+tensors once and replaces whatever sits under ``response_mask == 0`` (NaN,
+inf, garbage) by 0 with ``torch.where`` before any arithmetic, so masked
+positions can never reach a value, a metric or a gradient. The log-ratio
+``log π − log π_old`` is clamped to ``±log_ratio_clamp`` (default 20) in fp32
+before ``exp`` (like verl). After that the loss trusts its inputs: means over
+the valid tokens are :meth:`PolicyInputs.mean` (no second check of the mask)
+and the reduction is :func:`rlmath.losses.aggregation.aggregate`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlmath._validation import (
+    check_choice,
     check_in_range,
     check_mask,
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
-from rlmath.masked import masked_mean
+from rlmath.losses.aggregation import LOSS_AGG_MODES, Aggregation, aggregate
 
 __all__ = [
     "PolicyInputs",
     "check_clip_range",
+    "check_loss_args",
     "clip_bounds",
     "policy_metrics",
     "prepare_policy_inputs",
@@ -38,10 +46,12 @@ class PolicyInputs:
     ``old_log_prob``, ``log_prob``, ``advantages`` and ``is_weights`` are 0 where
     the mask is 0; ``log_ratio`` is their difference before clamping and
     ``clamped_log_ratio``/``ratio`` the clamped log-ratio and its exp.
+    ``weights`` are the mask's weights in the compute dtype (0 where not valid).
     """
 
     valid: torch.Tensor
     mask: torch.Tensor
+    weights: torch.Tensor
     old_log_prob: torch.Tensor
     log_prob: torch.Tensor
     advantages: torch.Tensor
@@ -54,12 +64,30 @@ class PolicyInputs:
     def zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
 
+    def mean(self, x: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+        """Weighted mean of ``x`` over the valid tokens (of each row with ``axis=-1``); 0 if none.
+
+        ``x`` has the inputs' shape; values under the mask never count.
+        """
+        w = self.weights
+        v = torch.where(self.valid, x.to(w.dtype), 0) * w
+        num, den = (v.sum(), w.sum()) if axis is None else (v.sum(axis), w.sum(axis))
+        return num / torch.where(den == 0, torch.ones_like(den), den)
+
     def frac(self, condition: torch.Tensor) -> torch.Tensor:
         """Fraction of valid tokens where ``condition`` holds (mask weights respected)."""
-        return masked_mean(condition.to(self.log_ratio.dtype), self.mask).detach()
+        return self.mean(condition).detach()
 
     def apply_is_weights(self, loss_mat: torch.Tensor) -> torch.Tensor:
         return loss_mat if self.is_weights is None else loss_mat * self.is_weights
+
+    def aggregate(
+        self, loss_mat: torch.Tensor, loss_agg_mode: str, agg: Aggregation
+    ) -> torch.Tensor:
+        """``loss_mat`` (importance weights applied) reduced by ``loss_agg_mode``."""
+        return aggregate(
+            self.apply_is_weights(loss_mat), self.valid, self.weights, loss_agg_mode, agg
+        )
 
 
 def prepare_policy_inputs(
@@ -91,7 +119,7 @@ def prepare_policy_inputs(
         "log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False
     )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
-    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    valid = valid_mask(response_mask)
     old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
     logp = torch.where(valid, log_prob.to(dtype), 0)
     adv = torch.where(valid, advantages.detach().to(dtype), 0)
@@ -106,6 +134,7 @@ def prepare_policy_inputs(
     return PolicyInputs(
         valid=valid,
         mask=response_mask,
+        weights=torch.where(valid, response_mask.to(dtype), 0),
         old_log_prob=old,
         log_prob=logp,
         advantages=adv,
@@ -115,6 +144,12 @@ def prepare_policy_inputs(
         ratio=torch.exp(clamped_log_ratio),
         clamped=clamped,
     )
+
+
+def check_loss_args(loss_agg_mode: object, aggregation: Mapping[str, Any]) -> Aggregation:
+    """A policy loss's ``loss_agg_mode`` and aggregation keywords, checked once."""
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    return Aggregation.of(aggregation)
 
 
 def check_clip_range(name: str, value: object) -> float:
@@ -167,6 +202,6 @@ def policy_metrics(
         "pg_clipfrac_high": high,
         "pg_clipfrac_low": low,
         "pg_clipfrac_lower": zero if clipped_lower is None else inp.frac(clipped_lower),
-        "ppo_kl": masked_mean(-inp.clamped_log_ratio.detach(), inp.mask).detach(),
+        "ppo_kl": inp.mean(-inp.clamped_log_ratio.detach()).detach(),
         "log_ratio_clamped_frac": inp.frac(inp.clamped),
     }
