@@ -41,6 +41,7 @@ from rlmath._validation import (
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
 
 __all__ = ["KL_ESTIMATORS", "kl_penalty"]
@@ -158,7 +159,7 @@ def kl_penalty(
     valid = None
     if response_mask is not None:
         check_mask("response_mask", response_mask, "logprob", logprob)
-        valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+        valid = valid_mask(response_mask)
         logp = torch.where(valid, logp, 0)
         ref = torch.where(valid, ref, 0)
         old = None if old is None else torch.where(valid, old, 0)

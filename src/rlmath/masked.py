@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype
+from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype, valid_mask
 
 __all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
 
@@ -28,7 +28,7 @@ def _prepare(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     check_tensor("values", values, real=True)
     check_mask("mask", mask, "values", values)
     dtype = result_dtype(values)
-    valid = mask if mask.dtype == torch.bool else mask != 0
+    valid = valid_mask(mask)
     weights = torch.where(valid, mask.to(dtype), 0)
     return torch.where(valid, values.to(dtype), 0), weights
 

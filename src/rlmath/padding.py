@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlmath._validation import check_int, check_tensor
+from rlmath._validation import check_index_tensor, check_int, check_tensor, valid_mask
 
 __all__ = ["cu_seqlens", "index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
@@ -34,11 +34,9 @@ def _check_int(name: str, value: object) -> int:
 
 
 def _check_indices(indices: object) -> torch.Tensor:
-    indices = check_tensor("indices", indices)
+    indices = check_index_tensor("indices", indices)
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-        raise TypeError(f"indices must be an integer tensor, got dtype {indices.dtype}")
     return indices
 
 
@@ -48,7 +46,7 @@ def _check_attention_mask(name: str, mask: object) -> torch.Tensor:
         raise ValueError(f"{name} must have shape (batch, seqlen), got {tuple(mask.shape)}")
     if mask.is_complex():
         raise TypeError(f"{name} must be bool, integer or floating, got dtype {mask.dtype}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return valid_mask(mask)
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -117,12 +115,7 @@ def cu_seqlens(attention_mask_or_seqlens: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         lengths = _check_attention_mask("attention_mask_or_seqlens", x).sum(-1, dtype=torch.int32)
     elif x.dim() == 1:
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(
-                "attention_mask_or_seqlens of shape (B,) must hold integer lengths, "
-                f"got dtype {x.dtype}"
-            )
-        lengths = x
+        lengths = check_index_tensor("attention_mask_or_seqlens of shape (B,)", x)
     else:
         raise ValueError(
             "attention_mask_or_seqlens must be a (B, T) mask or (B,) lengths, "

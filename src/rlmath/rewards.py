@@ -10,6 +10,7 @@ from rlmath._validation import (
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
 from rlmath.kl import kl_penalty
 
@@ -75,7 +76,7 @@ def compute_rewards(
     valid = None
     if response_mask is not None:
         check_mask("response_mask", response_mask, "token_level_scores", token_level_scores)
-        valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+        valid = valid_mask(response_mask)
         # Select before any arithmetic so masked NaN/inf cannot reach values or gradients.
         scores = torch.where(valid, scores, 0)
 

@@ -13,7 +13,7 @@ from numbers import Integral, Real
 import torch
 import torch.nn.functional as F
 
-from rlmath._validation import check_int, check_tensor
+from rlmath._validation import check_index_tensor, check_int, check_tensor
 
 __all__ = [
     "clip_by_value",
@@ -30,8 +30,7 @@ def _check_int(name: str, value: object, low: int = 0) -> int:
 def _eos_ids(eos_token: object, device: torch.device) -> torch.Tensor:
     """The EOS ids as a 1-D int64 tensor on ``device``; raises on anything but ints."""
     if isinstance(eos_token, torch.Tensor):
-        if eos_token.is_floating_point() or eos_token.is_complex() or eos_token.dtype == torch.bool:
-            raise TypeError(f"eos_token must hold integer ids, got dtype {eos_token.dtype}")
+        check_index_tensor("eos_token", eos_token)
         ids = eos_token.reshape(-1).to(device=device, dtype=torch.int64)
     else:
         items = list(eos_token) if isinstance(eos_token, Sequence) else [eos_token]

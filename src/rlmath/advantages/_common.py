@@ -18,6 +18,7 @@ from rlmath._validation import (
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
 from rlmath.advantages.groups import group_ids
 
@@ -37,7 +38,7 @@ def check_token_inputs(
     if rewards.shape[0] == 0:
         raise ValueError("token_level_rewards is an empty batch (B = 0); expected B >= 1")
     mask = check_mask("response_mask", response_mask, "token_level_rewards", rewards)
-    valid = mask if mask.dtype == torch.bool else mask != 0
+    valid = valid_mask(mask)
     return rewards, valid
 
 

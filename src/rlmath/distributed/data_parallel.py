@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype
+from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype, valid_mask
 from rlmath.distributed._collectives import ProcessGroup, all_reduce, global_sum, is_distributed
 
 __all__ = [
@@ -87,7 +87,7 @@ def _prepare(
     check_mask("mask", mask, name, values)
     dtype = result_dtype(values)
     _check_same_dtype(name, values, dtype, group)
-    valid = mask if mask.dtype == torch.bool else mask != 0
+    valid = valid_mask(mask)
     return torch.where(valid, values.to(dtype), 0), torch.where(valid, mask.to(dtype), 0)
 
 

@@ -38,6 +38,7 @@ from rlmath._validation import (
     check_same_shape,
     check_tensor,
     result_dtype,
+    valid_mask,
 )
 from rlmath.masked import masked_mean, masked_sum
 
@@ -144,7 +145,7 @@ def rollout_correction(
     )
 
     dtype = result_dtype(old_log_prob, rollout_log_prob)
-    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    valid = valid_mask(response_mask)
     old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
     rollout = torch.where(valid, rollout_log_prob.detach().to(dtype), 0)
     token_lr = old - rollout
