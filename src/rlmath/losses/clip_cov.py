@@ -43,6 +43,7 @@ from rlmath.losses._policy_inputs import (
 from rlmath.losses._selection import random_subset, selection_count, top_k
 from rlmath.losses.aggregation import AggregationKwargs
 from rlmath.losses.ppo_clip import ppo_clip_regions
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = [
     "clip_cov_selection",
@@ -118,6 +119,7 @@ def clip_cov_selection(
     return _clip_cov_select(inp, hi | lo, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator)
 
 
+@register_policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -195,6 +197,7 @@ def kl_cov_selection(
     return top_k(_covariance(inp), inp.valid, selection_count(inp.valid, kl_cov_ratio), generator)
 
 
+@register_policy_loss("kl_cov")
 def compute_policy_loss_kl_cov(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

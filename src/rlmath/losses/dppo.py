@@ -46,6 +46,7 @@ from rlmath.losses._policy_inputs import (
     prepare_policy_inputs,
 )
 from rlmath.losses.aggregation import Aggregation, AggregationKwargs
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = ["binary_kl", "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv"]
 
@@ -91,6 +92,7 @@ def _dppo(
     return loss, metrics
 
 
+@register_policy_loss("dppo_tv")
 def compute_policy_loss_dppo_tv(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -127,6 +129,7 @@ def compute_policy_loss_dppo_tv(
     return _dppo(inp, valid, clip_ratio_c, loss_agg_mode, agg)
 
 
+@register_policy_loss("dppo_kl")
 def compute_policy_loss_dppo_kl(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

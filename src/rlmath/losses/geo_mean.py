@@ -29,10 +29,12 @@ from rlmath.losses._policy_inputs import (
     prepare_policy_inputs,
 )
 from rlmath.losses.aggregation import AggregationKwargs, aggregate
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = ["compute_policy_loss_geo_mean"]
 
 
+@register_policy_loss("geo_mean")
 def compute_policy_loss_geo_mean(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

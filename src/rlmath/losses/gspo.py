@@ -41,6 +41,7 @@ from rlmath.losses._policy_inputs import (
 )
 from rlmath.losses.aggregation import AggregationKwargs, aggregate
 from rlmath.losses.ppo_clip import ppo_clip_regions
+from rlmath.losses.registry import register_policy_loss
 from rlmath.masked import masked_mean
 
 __all__ = [
@@ -94,6 +95,7 @@ def _gspo(
     return inp.apply_is_weights(loss_mat), metrics
 
 
+@register_policy_loss("gspo_seq")
 def compute_policy_loss_gspo_seq(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -125,6 +127,7 @@ def compute_policy_loss_gspo_seq(
     return loss, metrics
 
 
+@register_policy_loss("gspo")
 def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -159,4 +162,4 @@ def compute_policy_loss_gspo(
 
 
 #: The GSPO paper's name for the per-token-advantage form; the same function.
-compute_policy_loss_gspo_token = compute_policy_loss_gspo
+compute_policy_loss_gspo_token = register_policy_loss("gspo_token")(compute_policy_loss_gspo)

@@ -24,6 +24,7 @@ from rlmath.losses._policy_inputs import (
     prepare_policy_inputs,
 )
 from rlmath.losses.aggregation import AggregationKwargs
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = ["compute_policy_loss_vanilla", "ppo_clip_regions"]
 
@@ -41,6 +42,7 @@ def ppo_clip_regions(
     return (advantages > 0) & (r > 1 + high), (advantages < 0) & (r < 1 - low)
 
 
+@register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

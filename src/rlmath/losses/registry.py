@@ -1,5 +1,8 @@
 """Policy-loss registry: names (verl's, plus ``gspo_token``, ``gspo_seq`` and ``reinforce``) to functions.
 
+Each loss registers itself where it is defined, with ``@register_policy_loss(name)``
+(as the advantage estimators do with ``@register_advantage_estimator``).
+
 Every registered function has the signature
 ``fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode=...,
 <its own keyword scalars>, rollout_is_weights=None, global_num_tokens=None,
@@ -13,46 +16,17 @@ from collections.abc import Callable
 
 import torch
 
-from rlmath.losses.cispo import compute_policy_loss_cispo
-from rlmath.losses.clip_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
-from rlmath.losses.dppo import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
-from rlmath.losses.dro import compute_policy_loss_dro
-from rlmath.losses.geo_mean import compute_policy_loss_geo_mean
-from rlmath.losses.gpg import compute_policy_loss_gpg
-from rlmath.losses.gspo import (
-    compute_policy_loss_gspo,
-    compute_policy_loss_gspo_seq,
-    compute_policy_loss_gspo_token,
-)
-from rlmath.losses.ppo_clip import compute_policy_loss_vanilla
-from rlmath.losses.reinforce import compute_policy_loss_reinforce
-from rlmath.losses.sapo import compute_policy_loss_sapo
-
 __all__ = ["get_policy_loss", "get_policy_loss_fn", "list_policy_losses", "register_policy_loss"]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-_REGISTRY: dict[str, PolicyLossFn] = {
-    "vanilla": compute_policy_loss_vanilla,
-    "gspo": compute_policy_loss_gspo,
-    "gspo_token": compute_policy_loss_gspo_token,
-    "gspo_seq": compute_policy_loss_gspo_seq,
-    "sapo": compute_policy_loss_sapo,
-    "gpg": compute_policy_loss_gpg,
-    "clip_cov": compute_policy_loss_clip_cov,
-    "kl_cov": compute_policy_loss_kl_cov,
-    "geo_mean": compute_policy_loss_geo_mean,
-    "cispo": compute_policy_loss_cispo,
-    "dppo_tv": compute_policy_loss_dppo_tv,
-    "dppo_kl": compute_policy_loss_dppo_kl,
-    "dro": compute_policy_loss_dro,
-    "reinforce": compute_policy_loss_reinforce,
-}
+# Filled by @register_policy_loss at each loss's definition (rlmath.losses imports them all).
+_REGISTRY: dict[str, PolicyLossFn] = {}
 
 
-def list_policy_losses() -> tuple[str, ...]:
+def list_policy_losses() -> list[str]:
     """Every registered policy-loss name, sorted."""
-    return tuple(sorted(_REGISTRY))
+    return sorted(_REGISTRY)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -85,7 +59,7 @@ def register_policy_loss(
     silently replaces it). The function is returned unchanged.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if not callable(fn):

@@ -40,7 +40,6 @@ from rlmath._validation import (
     result_dtype,
     valid_mask,
 )
-from rlmath.masked import masked_mean, masked_sum
 
 __all__ = [
     "ROLLOUT_CORRECTION_LEVELS",
@@ -66,6 +65,11 @@ class RolloutCorrection(NamedTuple):
     weights: torch.Tensor
     response_mask: torch.Tensor
     metrics: dict[str, torch.Tensor]
+
+
+def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count``, 0 where ``count`` is 0 (the total is 0 there)."""
+    return total / torch.where(count == 0, torch.ones_like(count), count)
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -146,6 +150,7 @@ def rollout_correction(
 
     dtype = result_dtype(old_log_prob, rollout_log_prob)
     valid = valid_mask(response_mask)
+    weight = torch.where(valid, response_mask.to(dtype), 0)  # the mask's weights, 0 if masked
     old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
     rollout = torch.where(valid, rollout_log_prob.detach().to(dtype), 0)
     token_lr = old - rollout
@@ -154,11 +159,8 @@ def rollout_correction(
         level_lr = unit_lr = token_lr
         unit_valid = valid
     else:
-        unit_lr = (
-            masked_sum(token_lr, response_mask, axis=-1)
-            if level == "sequence"
-            else masked_mean(token_lr, response_mask, axis=-1)
-        )
+        seq_sum = (token_lr * weight).sum(-1)
+        unit_lr = seq_sum if level == "sequence" else _mean(seq_sum, weight.sum(-1))
         level_lr = unit_lr.unsqueeze(-1).expand_as(token_lr)
         unit_valid = valid.any(dim=-1)
     raw = torch.exp(level_lr.clamp(-log_ratio_clamp, log_ratio_clamp))
@@ -175,19 +177,24 @@ def rollout_correction(
     weights = torch.where(valid, weights, 0).detach()
 
     zero = torch.zeros((), dtype=dtype, device=old.device)
-    frac_high = masked_mean(above.to(dtype), response_mask)
-    frac_low = masked_mean(below.to(dtype), response_mask)
-    w_sum = masked_sum(weights, response_mask)
-    w_sq = masked_sum(weights.square(), response_mask)
-    n = masked_sum(torch.ones_like(weights), response_mask)
+    n = weight.sum()
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return _mean((torch.where(valid, x, 0) * weight).sum(), n)
+
+    frac_high = token_mean(above.to(dtype))
+    frac_low = token_mean(below.to(dtype))
+    w_sum = (weights * weight).sum()
+    w_sq = (weights.square() * weight).sum()
     ess = w_sum.square() / torch.where(w_sq > 0, n * w_sq, torch.ones_like(w_sq))
     clamped_lr = token_lr.clamp(-log_ratio_clamp, log_ratio_clamp)
+    units = unit_valid.sum().to(dtype)
     metrics = {
-        "log_ratio_mean": masked_mean(unit_lr, unit_valid),
+        "log_ratio_mean": _mean(torch.where(unit_valid, unit_lr, 0).sum(), units),
         "log_ratio_max": _masked_max(unit_lr, unit_valid),
-        "mismatch_kl_k1": masked_mean(-token_lr, response_mask),
-        "mismatch_kl_k3": masked_mean(torch.expm1(clamped_lr) - clamped_lr, response_mask),
-        "weight_mean": masked_mean(weights, response_mask),
+        "mismatch_kl_k1": token_mean(-token_lr),
+        "mismatch_kl_k3": token_mean(torch.expm1(clamped_lr) - clamped_lr),
+        "weight_mean": token_mean(weights),
         "weight_max": _masked_max(weights, valid),
         "ess": ess,
         "fraction_high": frac_high,

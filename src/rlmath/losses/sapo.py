@@ -18,10 +18,12 @@ from typing_extensions import Unpack
 from rlmath._validation import check_in_range
 from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
 from rlmath.losses.aggregation import AggregationKwargs
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = ["compute_policy_loss_sapo"]
 
 
+@register_policy_loss("sapo")
 def compute_policy_loss_sapo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
