@@ -10,7 +10,7 @@ Prints two markdown tables:
    sees the same rewards and values without the gaps: it has no skip-masked
    semantics).
 2. Outcome estimators, B = 8192 in 1024 shuffled groups of 8: rlmath vs the
-   per-sample loops of ``rlmath.advantages.reference`` (plain Python) and a
+   per-sample loops of ``tests.advantages.reference`` (plain Python) and a
    verl-style loop over torch scalars for GRPO, plus verl's own functions when
    importable.
 
@@ -39,7 +39,10 @@ from typing import Any
 import torch
 
 import rlmath as R
-from rlmath.advantages import reference as ref
+
+# The per-sample loops are the test suite's oracles (tests/advantages/reference.py).
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from tests.advantages import reference as ref
 
 try:  # optional peers, never dependencies
     from verl.trainer.ppo import core_algos as verl_core  # type: ignore[import-not-found]
@@ -120,7 +123,7 @@ def _measure_gae_peaks(lengths: list[int]) -> None:
                     return R.compute_gae_advantage_return(*args)
 
                 def loop(args=args):
-                    return R.compute_gae_advantage_return_reference(*args)
+                    return ref.compute_gae_advantage_return_reference(*args)
 
                 ours()
                 result[f"ours/{t}/{gamma}/{lam}"] = peak_mb(ours) if exact else None
@@ -243,7 +246,7 @@ def bench_gae(repeats: int, lengths: list[int]) -> None:
                 return R.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
 
             def loop(gamma=gamma, lam=lam, rewards=rewards, values=values, mask=mask):
-                return R.compute_gae_advantage_return_reference(rewards, values, mask, gamma, lam)
+                return ref.compute_gae_advantage_return_reference(rewards, values, mask, gamma, lam)
 
             ours_ms = median_ms(ours, repeats)
             loop_ms = median_ms(loop, max(5, repeats // 2))

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from rlmath import (
     compute_gae_advantage_return,
-    compute_gae_advantage_return_reference,
     get_advantage_estimator,
     masked_whiten,
 )
 from tests.advantages.helpers import gap_mask, junk_under_mask, reordered_sum_atol, span_mask
+from tests.advantages.reference import compute_gae_advantage_return_reference
 
 GAMMA_LAM = [(0.9, 0.0), (1.0, 0.5), (1.0, 0.95), (1.0, 1.0), (0.99, 0.95), (0.0, 0.7)]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import rlmath as R
-from rlmath.advantages.reference import optimal_token_baseline_reference
 from tests.advantages.helpers import grouped_batch, junk_under_mask
+from tests.advantages.reference import optimal_token_baseline_reference
 
 VARIANTS = {
     False: R.compute_optimal_token_baseline_advantage,

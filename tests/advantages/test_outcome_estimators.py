@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rlmath as R
-from rlmath.advantages import reference as ref
+from tests.advantages import reference as ref
 from tests.advantages.helpers import U64, grouped_batch, junk_under_mask, reordered_sum_atol
 
 

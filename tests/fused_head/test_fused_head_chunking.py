@@ -15,7 +15,7 @@ from rlmath.engine.policy import (
     spans,
 )
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
-from tests.fused_head.fused_head_reference import make, make_labels
+from tests.fused_head.reference import make, make_labels
 
 
 @given(total=st.integers(0, 5000), step=st.integers(1, 700))

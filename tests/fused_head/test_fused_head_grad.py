@@ -7,7 +7,7 @@ import torch
 from torch.autograd import gradcheck
 
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
-from tests.fused_head.fused_head_reference import make, make_labels, ref_from_logits, ref_fused
+from tests.fused_head.reference import make, make_labels, ref_from_logits, ref_fused
 
 fused = log_probs_and_entropy_from_hidden
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rlmath.fused_head import FusedLMHeadLogProbs, log_probs_and_entropy_from_hidden
-from tests.fused_head.fused_head_reference import make, make_labels, ref_fused
+from tests.fused_head.reference import make, make_labels, ref_fused
 
 
 def test_matches_the_function_and_trains_the_head():

@@ -7,7 +7,7 @@ import torch
 from torch.autograd import gradcheck
 
 from rlmath import log_probs_and_entropy_from_hidden as fused
-from tests.fused_head.fused_head_reference import make, make_labels
+from tests.fused_head.reference import make, make_labels
 
 N, H, V = 9, 5, 23
 

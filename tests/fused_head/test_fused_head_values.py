@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlmath.fused_head import linear_logprobs_entropy, log_probs_and_entropy_from_hidden
 from rlmath.logprobs import log_probs_and_entropy_from_logits
-from tests.fused_head.fused_head_reference import (
+from tests.fused_head.reference import (
     logits64,
     make,
     make_labels,

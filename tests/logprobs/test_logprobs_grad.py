@@ -12,7 +12,7 @@ from rlmath import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
 )
-from tests.logprobs.logprobs_reference import ref_entropy, ref_kl, ref_log_probs
+from tests.logprobs.reference import ref_entropy, ref_kl, ref_log_probs
 
 
 def leaf(shape, dtype=torch.float64, seed=0, scale=2.0):

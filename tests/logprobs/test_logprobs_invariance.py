@@ -13,7 +13,7 @@ from rlmath import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
 )
-from tests.logprobs.logprobs_reference import ref_entropy, ref_log_probs
+from tests.logprobs.reference import ref_entropy, ref_log_probs
 
 
 def _values_and_grads(logits, labels, ref_logits):

@@ -13,7 +13,7 @@ from rlmath import (
     log_probs_from_logits_response,
     log_probs_from_logits_response_rmpad,
 )
-from tests.logprobs.logprobs_reference import log_softmax64, ref_response_dense
+from tests.logprobs.reference import log_softmax64, ref_response_dense
 
 V = 37
 

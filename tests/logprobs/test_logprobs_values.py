@@ -14,7 +14,7 @@ from rlmath import (
     log_probs_from_logits,
     logprobs_from_logits,
 )
-from tests.logprobs.logprobs_reference import ref_entropy, ref_kl, ref_log_probs
+from tests.logprobs.reference import ref_entropy, ref_kl, ref_log_probs
 
 LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
 ALL_DTYPES = [torch.float64, *LOW_PRECISION]

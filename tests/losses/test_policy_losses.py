@@ -21,7 +21,7 @@ from rlmath import (
 )
 
 from .helpers import LOSS_KWARGS, MODES, policy_batch, ref_agg
-from .references import REFERENCES, ref_covariance, ref_gspo_sequence
+from .reference import REFERENCES, ref_covariance, ref_gspo_sequence
 
 VERL_NAMES = {
     "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo",

@@ -10,7 +10,6 @@ or groups. Semantics are pinned in DESIGN.md ("Advantage estimators").
 
 from rlmath.advantages.gae import (
     compute_gae_advantage_return,
-    compute_gae_advantage_return_reference,
 )
 from rlmath.advantages.gdpo import compute_gdpo_outcome_advantage
 from rlmath.advantages.gpg import compute_gpg_outcome_advantage
@@ -40,7 +39,6 @@ from rlmath.advantages.scan import reverse_discounted_cumsum
 __all__ = [
     "GroupStats",
     "compute_gae_advantage_return",
-    "compute_gae_advantage_return_reference",
     "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",

@@ -24,17 +24,15 @@ from rlmath.advantages._common import (
     as_unit_scalar,
     check_token_inputs,
     check_token_tensor,
-    valid_values,
     whiten_batch,
 )
 from rlmath.advantages.registry import register_advantage_estimator
 from rlmath.advantages.scan import _reverse_scan
-from rlmath.masked import masked_whiten
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["compute_gae_advantage_return", "compute_gae_advantage_return_reference", "gae_scan"]
+__all__ = ["compute_gae_advantage_return", "gae_scan"]
 
 
 @register_advantage_estimator("gae")
@@ -134,43 +132,3 @@ def _gae_scan_vmap(info, in_dims, rewards, values, valid, gamma, gamma_lam):
 
 
 register_vmap(gae_scan, _gae_scan_vmap)
-
-
-@torch.no_grad()
-def compute_gae_advantage_return_reference(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    *,
-    whiten: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The textbook backward loop over ``t`` with the same semantics, for tests.
-
-    Same arguments, outputs and dtypes as :func:`compute_gae_advantage_return`;
-    ``O(T)`` Python steps. Masked steps carry the running advantage and the
-    next valid value through unchanged.
-    """
-    rewards, valid = check_token_inputs(token_level_rewards, response_mask)
-    values = check_token_tensor("values", values, rewards)
-    g = as_unit_scalar("gamma", gamma)
-    lam_ = as_unit_scalar("lam", lam)
-    dtype = result_dtype(rewards, values)
-    r = valid_values(rewards, valid, dtype)
-    v = valid_values(values, valid, dtype)
-    batch, length = r.shape
-    advantages = torch.zeros_like(r)
-    next_value = r.new_zeros(batch)
-    running = r.new_zeros(batch)
-    for t in reversed(range(length)):
-        keep = valid[:, t]
-        delta = r[:, t] + g * next_value - v[:, t]
-        step = delta + g * lam_ * running
-        advantages[:, t] = torch.where(keep, step, 0)
-        running = torch.where(keep, step, running)
-        next_value = torch.where(keep, v[:, t], next_value)
-    returns = torch.where(valid, advantages + v, 0)
-    if whiten:
-        advantages = masked_whiten(advantages, valid)
-    return advantages, returns

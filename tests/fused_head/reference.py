@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.logprobs.logprobs_reference import log_softmax64
+from tests.logprobs.reference import log_softmax64
 
 
 def make(shape, dtype=torch.float64, *, scale=1.0, seed=0, requires_grad=False):

@@ -5,7 +5,7 @@ and is written from the math with plain Python loops over samples, groups and
 time steps, in fp64 Python floats (results cast to the vectorized function's
 output dtype). They are slow on purpose: they are the oracle, and the
 "per-sample Python loop" the benchmarks compare against. GAE's reference
-loop lives beside GAE (:func:`rlmath.advantages.compute_gae_advantage_return_reference`).
+loop is :func:`compute_gae_advantage_return_reference` below.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rlmath._validation import result_dtype
 from rlmath.masked import masked_whiten
 
 __all__ = [
+    "compute_gae_advantage_return_reference",
     "gdpo_reference",
     "gpg_reference",
     "grpo_passk_reference",
@@ -336,3 +337,42 @@ def optimal_token_baseline_reference(
 
     out_returns = torch.tensor(returns, dtype=dtype).reshape(rewards.shape)
     return torch.tensor(adv, dtype=dtype).reshape(rewards.shape), out_returns
+
+
+@torch.no_grad()
+def compute_gae_advantage_return_reference(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook backward loop over ``t`` with the same semantics, for tests.
+
+    Same arguments, outputs and dtypes as :func:`compute_gae_advantage_return`;
+    ``O(T)`` Python steps. Masked steps carry the running advantage and the
+    next valid value through unchanged.
+    """
+    rewards = token_level_rewards
+    valid = response_mask.bool()
+    g, lam_ = float(gamma), float(lam)
+    dtype = result_dtype(rewards, values)
+    r = torch.where(valid, rewards.to(dtype), 0)
+    v = torch.where(valid, values.to(dtype), 0)
+    batch, length = r.shape
+    advantages = torch.zeros_like(r)
+    next_value = r.new_zeros(batch)
+    running = r.new_zeros(batch)
+    for t in reversed(range(length)):
+        keep = valid[:, t]
+        delta = r[:, t] + g * next_value - v[:, t]
+        step = delta + g * lam_ * running
+        advantages[:, t] = torch.where(keep, step, 0)
+        running = torch.where(keep, step, running)
+        next_value = torch.where(keep, v[:, t], next_value)
+    returns = torch.where(valid, advantages + v, 0)
+    if whiten:
+        advantages = masked_whiten(advantages, valid)
+    return advantages, returns
