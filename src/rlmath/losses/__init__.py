@@ -67,6 +67,13 @@ from rlmath.losses.rollout_is import (
     RolloutCorrection,
     rollout_correction,
 )
+from rlmath.losses.rollout_rejection import (
+    ROLLOUT_REJECTION_OPTIONS,
+    RolloutRejection,
+    rollout_rejection,
+    rollout_rejection_bounds,
+    rollout_rejection_statistic,
+)
 from rlmath.losses.sapo import (
     compute_policy_loss_sapo,
 )
@@ -78,7 +85,9 @@ __all__ = [
     "LOSS_AGG_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "ROLLOUT_REJECTION_OPTIONS",
     "RolloutCorrection",
+    "RolloutRejection",
     "agg_loss",
     "binary_kl",
     "clip_cov_selection",
@@ -106,5 +115,8 @@ __all__ = [
     "ppo_clip_regions",
     "register_policy_loss",
     "rollout_correction",
+    "rollout_rejection",
+    "rollout_rejection_bounds",
+    "rollout_rejection_statistic",
     "sequence_log_ratio",
 ]
