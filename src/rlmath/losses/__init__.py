@@ -80,6 +80,10 @@ from rlmath.losses.sapo import (
 from rlmath.losses.value_loss import (
     compute_value_loss,
 )
+from rlmath.losses.vespo import (
+    compute_policy_loss_vespo,
+    vespo_weight,
+)
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -106,6 +110,7 @@ __all__ = [
     "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_vespo",
     "compute_value_loss",
     "get_policy_loss",
     "get_policy_loss_fn",
@@ -119,4 +124,5 @@ __all__ = [
     "rollout_rejection_bounds",
     "rollout_rejection_statistic",
     "sequence_log_ratio",
+    "vespo_weight",
 ]
