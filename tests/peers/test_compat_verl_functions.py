@@ -497,6 +497,21 @@ def test_gae_remax_and_optimal_token_baselines():
         assert_close(ours[1][valid], theirs[1][valid], **TOL, msg=name)
 
 
+def test_masked_positions_are_zero_documented_difference():
+    index, mask, rewards, gen = make_groups(18)
+    values = randn(*mask.shape, gen=gen)
+    ours = cv.compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95)
+    theirs = verl_core.compute_gae_advantage_return(rewards, values, mask.float(), 1.0, 0.95)
+    baselines = randn(mask.shape[0], gen=gen)
+    ours += cv.compute_remax_outcome_advantage(rewards, baselines, mask)[1:]
+    theirs += verl_core.compute_remax_outcome_advantage(rewards, baselines, mask.float())[1:]
+    for o, t in zip(ours, theirs):
+        assert torch.all(o[~mask] == 0)
+        assert torch.any(
+            t[~mask] != 0
+        )  # verl leaves A + V, the carried advantage, the running return
+
+
 def test_singleton_groups_give_zero_documented_difference():
     index, mask, rewards, _ = make_groups(16)
     index = index.copy()
