@@ -267,6 +267,20 @@ def test_compat_math_never_reads_the_host_and_modifies_no_input(monkeypatch):
         assert torch.equal(x, c)
 
 
+def test_float_metrics_option(monkeypatch):
+    from rlmath.compat.verl import _state
+
+    old, logp, adv, mask = inputs(8)
+    monkeypatch.setattr(_state.OPTIONS, "float_metrics", True)
+    _, metrics = cv.compute_policy_loss_sapo(old, logp, adv, mask, "token-mean", {})
+    assert all(type(v) is float for v in metrics.values())
+    _, _, corr = cv.compute_rollout_correction_and_rejection_mask(old, logp, mask, "token")
+    assert all(type(v) is float for v in corr.values())
+    monkeypatch.setattr(_state.OPTIONS, "float_metrics", False)
+    _, metrics = cv.compute_policy_loss_sapo(old, logp, adv, mask, "token-mean", {})
+    assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+
+
 def test_install_without_verl_raises_a_clear_importerror(monkeypatch):
     for name in ("verl", "verl.utils.torch_functional", "verl.trainer.ppo.core_algos"):
         monkeypatch.setitem(sys.modules, name, None)

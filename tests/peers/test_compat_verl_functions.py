@@ -937,6 +937,27 @@ def test_install_and_uninstall_restore_exactly():
     assert set(after["attrs"]) == set(before["attrs"])
 
 
+def test_install_with_float_metrics_gives_verls_types():
+    old, logp, adv, mask, _ = make_inputs(29)
+    rollout = old + 0.1
+    try:
+        cv.install(float_metrics=True)
+        _, metrics = verl_core.get_policy_loss_fn("vanilla")(
+            old, logp, adv, mask, "token-mean", actor_config("dict")
+        )
+        assert metrics and all(type(v) is float for v in metrics.values())
+        off = verl_rc.compute_offpolicy_metrics(old, rollout, mask)
+        assert isinstance(off["kl"], float)  # what verl's test_offpolicy_metrics asserts
+        _, _, corr = verl_rc.compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, "sequence", "0.5_2.0", True, "token_k1", 1.5
+        )
+        assert all(type(v) is float for v in corr.values())
+    finally:
+        cv.uninstall()
+    _, metrics = cv.compute_policy_loss_vanilla(old, logp, adv, mask, "token-mean", {})
+    assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+
+
 def test_partial_install():
     try:
         replaced = cv.install(core_algos=False, rollout_corr_helper=False)

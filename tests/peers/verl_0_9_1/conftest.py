@@ -18,23 +18,29 @@ well as any new failure. ``NOT_RUN`` lists the tests skipped here, with why.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+#: RLMATH_COMPAT_FLOAT_METRICS=1 runs the suite under install(float_metrics=True).
+FLOAT_METRICS = os.environ.get("RLMATH_COMPAT_FLOAT_METRICS", "0") == "1"
 
 if importlib.util.find_spec("verl") is None:  # pragma: no cover - only without verl
     collect_ignore_glob = ["*.py"]
 else:
     import rlmath.compat.verl as compat_verl
 
-    REPLACED = compat_verl.install()
+    REPLACED = compat_verl.install(float_metrics=FLOAT_METRICS)
 
 #: test id -> the documented difference it asserts.
-EXPECTED_FAILURES: dict[str, str] = {
-    "trainer/ppo/test_rollout_corr_integration.py::TestRolloutISIntegration::test_offpolicy_metrics": (
+EXPECTED_FAILURES: dict[str, str] = {}
+if not FLOAT_METRICS:
+    EXPECTED_FAILURES[
+        "trainer/ppo/test_rollout_corr_integration.py::TestRolloutISIntegration::test_offpolicy_metrics"
+    ] = (
         "asserts isinstance(metrics['kl'], float): rlmath.compat.verl returns metrics as detached "
-        "0-d tensors (no host sync per call); verl's Metric/reduce_metrics accept both"
-    ),
-}
+        "0-d tensors (no host sync per call) unless installed with float_metrics=True"
+    )
 
 #: test id (or file) -> why it is not run here.
 NOT_RUN: dict[str, str] = {

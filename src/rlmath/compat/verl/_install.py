@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from rlmath.compat.verl import core_algos as _core_algos
 from rlmath.compat.verl import rollout_corr_helper as _rollout_corr_helper
 from rlmath.compat.verl import torch_functional as _torch_functional
+from rlmath.compat.verl._state import OPTIONS
 
 __all__ = ["install", "is_installed", "uninstall"]
 
@@ -38,7 +39,7 @@ class _Patch(NamedTuple):
 
 
 _patches: list[_Patch] = []
-_selection: tuple[bool, bool, bool] | None = None
+_selection: tuple[bool, bool, bool, bool] | None = None
 
 
 def _import_verl(name: str) -> ModuleType:
@@ -77,7 +78,11 @@ def is_installed() -> bool:
 
 
 def install(
-    *, torch_functional: bool = True, core_algos: bool = True, rollout_corr_helper: bool = True
+    *,
+    torch_functional: bool = True,
+    core_algos: bool = True,
+    rollout_corr_helper: bool = True,
+    float_metrics: bool = False,
 ) -> dict[str, Any]:
     """Make verl compute with rlmath: replace verl's math functions by rlmath.compat.verl's.
 
@@ -98,6 +103,11 @@ def install(
     ``worker_process_setup_hook="rlmath.compat.verl.install"``
     (``docs/migration.md``).
 
+    ``float_metrics=True`` makes every metric value a Python float, as verl's
+    are (one host read per value, as in verl) instead of a detached 0-d
+    tensor: for code that hands the raw values to numpy or to a logger that
+    keeps only numbers.
+
     Idempotent: calling it again with the same selection changes nothing.
     Returns ``{qualified name: verl's original}`` for everything replaced
     (the same mapping on every call while installed).
@@ -107,7 +117,12 @@ def install(
         ValueError: already installed with a different selection.
     """
     global _selection
-    selection = (bool(torch_functional), bool(core_algos), bool(rollout_corr_helper))
+    selection = (
+        bool(torch_functional),
+        bool(core_algos),
+        bool(rollout_corr_helper),
+        bool(float_metrics),
+    )
     if _patches:
         if selection != _selection:
             raise ValueError(
@@ -115,7 +130,7 @@ def install(
                 "uninstall() first"
             )
         return _record()
-    chosen = [key for key, on in zip(_MODULES, selection) if on]
+    chosen = [key for key, on in zip(_MODULES, selection[:3]) if on]
     verl_modules = {key: _import_verl(_MODULES[key][0]) for key in chosen}
     _check_version()
     replacements: dict[int, tuple[Any, Any]] = {}
@@ -153,6 +168,7 @@ def install(
                 _patches.append(_Patch(f"{module_name}.{attr}", module, attr, value, False))
                 setattr(module, attr, hit[1])
     _selection = selection
+    OPTIONS.float_metrics = selection[3]
     return _record()
 
 
@@ -170,4 +186,5 @@ def uninstall() -> dict[str, Any]:
             setattr(patch.target, patch.key, patch.original)
     _patches.clear()
     _selection = None
+    OPTIONS.float_metrics = False
     return restored

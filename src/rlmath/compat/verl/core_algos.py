@@ -9,8 +9,9 @@ keys (``"actor/pg_clipfrac"``, ...) for the policy losses,
 not have takes the default of verl's dataclass, and ``config=None`` means
 all defaults (verl asserts a config). The numbers are rlmath's:
 
-* metric values are detached 0-d tensors, never Python floats (no host sync
-  per micro-batch; verl's ``Metric`` and ``reduce_metrics`` accept both);
+* metric values are detached 0-d tensors (no host sync per micro-batch;
+  verl's ``Metric`` accepts them), or verl's Python floats after
+  ``install(float_metrics=True)``;
 * masked positions never reach a value or a gradient, and advantages and
   returns are exactly 0 there;
 * outcome estimators score a response by its valid token rewards, and a
@@ -41,6 +42,7 @@ import torch
 
 import rlmath
 from rlmath.compat._config import config_get
+from rlmath.compat.verl._state import finish_metrics
 
 __all__ = [
     "AdaptiveKLController",
@@ -188,7 +190,7 @@ def _policy_loss_field(config: Any, name: str, default: Any, fallback: Any) -> A
 
 
 def _metrics(m: Metrics, *keys: tuple[str, str]) -> Metrics:
-    return {f"actor/{verl_key}": m[ours] for verl_key, ours in keys}
+    return finish_metrics({f"actor/{verl_key}": m[ours] for verl_key, ours in keys})
 
 
 _PG = (
@@ -674,7 +676,7 @@ def compute_policy_loss_bypass_mode(
             old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, None
         )
     metrics.update(corr_metrics)
-    return loss, metrics
+    return loss, finish_metrics(metrics)
 
 
 # ------------------------------------------------------------------ advantage estimators

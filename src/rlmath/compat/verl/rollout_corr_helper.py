@@ -16,8 +16,8 @@ return structures (the weights in a ``DataProto`` under
 * ``rollout_rs``: every verl option (``token_k1/k2/k3``, ``seq_sum_*``,
   ``seq_mean_*``, ``seq_max_k2/k3``), chained with commas
   (``"token_k1,seq_max_k3"``), one threshold for all or one per option.
-* Metrics are detached 0-d tensors (verl: floats), computed with no host
-  synchronisation; an empty mask gives 0 metrics instead of verl's
+* Metrics are detached 0-d tensors (verl: floats; ``install(float_metrics=True)``
+  gives floats), computed with no host synchronisation; an empty mask gives 0 metrics instead of verl's
   ``ValueError``. ``compute_rollout_correction_and_add_to_batch`` (the
   trainer's once-per-step entry point) converts them to floats for verl's
   loggers, which drop anything that is not a number.
@@ -39,6 +39,7 @@ import torch
 import rlmath
 import rlmath.distributed as rd
 from rlmath.compat._config import config_get
+from rlmath.compat.verl._state import finish_metrics
 
 __all__ = [
     "SAFETY_BOUND",
@@ -289,7 +290,7 @@ def compute_rs_metrics(
     m[f"{prefix}_seq_fraction_high"] = _frac(seq_values > thr, seq_valid)
     if apply_lower_threshold:
         m[f"{prefix}_seq_fraction_low"] = _frac(seq_values < low, seq_valid)
-    return {k: v.detach() for k, v in m.items()}
+    return finish_metrics(m)
 
 
 def compute_rollout_rejection_mask(
@@ -348,7 +349,7 @@ def compute_rollout_rejection_mask(
     # verl divides by every row of the batch here (rows without valid tokens included).
     dtype = metrics["rollout_rs_masked_fraction"].dtype
     metrics["rollout_rs_seq_masked_fraction"] = lost.any(dim=-1).to(dtype).mean()
-    return rej.response_mask, {k: v.detach() for k, v in metrics.items()}
+    return rej.response_mask, finish_metrics(metrics)
 
 
 # ------------------------------------------------------------------ importance weights
@@ -408,7 +409,7 @@ def compute_is_metrics(
         raw_seq_mean = rlmath.masked_mean(raw, mask, axis=-1)
         m["rollout_is_seq_fraction_high"] = (raw_seq_mean > upper).to(seq_mean.dtype).mean()
         m["rollout_is_seq_fraction_low"] = (raw_seq_mean < lower).to(seq_mean.dtype).mean()
-    return {k: v.detach() for k, v in m.items()}
+    return finish_metrics(m)
 
 
 def compute_rollout_correction_weights(
@@ -465,7 +466,7 @@ def compute_rollout_correction_weights(
         ok = mean > 1e-8
         weights = torch.where(ok, weights / torch.where(ok, mean, 1.0), weights)
         metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0).detach()
-    return weights.detach(), metrics
+    return weights.detach(), finish_metrics(metrics)
 
 
 # ------------------------------------------------------------------ off-policy diagnostics
@@ -508,7 +509,7 @@ def compute_offpolicy_metrics(
         m["chi2_seq"] = (
             torch.exp(2.0 * seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0
         )
-    return {k: v.detach() for k, v in m.items()}
+    return finish_metrics(m)
 
 
 # ------------------------------------------------------------------ the trainer's entry points
@@ -582,7 +583,7 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
     )  # fmt: skip
-    return (None if weights is None else _weights_proto(weights)), mask, metrics
+    return (None if weights is None else _weights_proto(weights)), mask, finish_metrics(metrics)
 
 
 def compute_rollout_correction_and_add_to_batch(
@@ -618,4 +619,4 @@ def compute_rollout_corr_metrics_from_logprobs(
 ) -> dict[str, Any]:
     """Off-policy diagnostics of the current policy against the rollout's, ``rollout_corr/`` prefixed."""
     metrics = compute_offpolicy_metrics(log_prob, rollout_log_prob, response_mask)
-    return {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    return finish_metrics({f"rollout_corr/{k}": v for k, v in metrics.items()})
