@@ -34,9 +34,10 @@ PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
 "${PIP[@]}" --no-deps trl==0.24.0
 "${PIP[@]}" "accelerate>=1.4.0" pandas
 
-# 4. rlmath itself (editable) and the test tools.
+# 4. rlmath itself (editable) and the test tools; `parameterized` is what TRL's own tests
+#    (copied in tests/peers/trl_0_24_0/) use.
 "${PIP[@]}" --no-deps -e "$ROOT"
-"${PIP[@]}" "pytest>=7" "hypothesis>=6.80" numpy
+"${PIP[@]}" "pytest>=7" "hypothesis>=6.80" numpy parameterized
 
 # 5. Check: torch is still the pinned CPU build and every peer imports.
 "$PY" - <<'PY'

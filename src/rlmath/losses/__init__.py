@@ -67,18 +67,31 @@ from rlmath.losses.rollout_correction import (
     RolloutCorrection,
     rollout_correction,
 )
+from rlmath.losses.rollout_rejection import (
+    ROLLOUT_REJECTION_OPTIONS,
+    RolloutRejection,
+    rollout_rejection,
+    rollout_rejection_bounds,
+    rollout_rejection_statistic,
+)
 from rlmath.losses.sapo import (
     compute_policy_loss_sapo,
 )
 from rlmath.losses.value_loss import (
     compute_value_loss,
 )
+from rlmath.losses.vespo import (
+    compute_policy_loss_vespo,
+    vespo_weight,
+)
 
 __all__ = [
     "LOSS_AGG_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "ROLLOUT_REJECTION_OPTIONS",
     "RolloutCorrection",
+    "RolloutRejection",
     "agg_loss",
     "binary_kl",
     "clip_cov_selection",
@@ -97,6 +110,7 @@ __all__ = [
     "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_vespo",
     "compute_value_loss",
     "get_policy_loss",
     "get_policy_loss_fn",
@@ -106,5 +120,9 @@ __all__ = [
     "ppo_clip_regions",
     "register_policy_loss",
     "rollout_correction",
+    "rollout_rejection",
+    "rollout_rejection_bounds",
+    "rollout_rejection_statistic",
     "sequence_log_ratio",
+    "vespo_weight",
 ]

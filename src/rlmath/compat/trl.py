@@ -1,0 +1,286 @@
+"""TRL's log-prob and entropy helpers and its GRPO ``loss_type`` family, computed by rlmath.
+
+* :func:`selective_log_softmax` and :func:`entropy_from_logits` have the
+  signatures of ``trl.trainer.utils`` (TRL 0.24). Unlike TRL they return
+  **fp32 for fp16/bf16 logits** (fp64 for fp64): rlmath upcasts one chunk at
+  a time, never the whole ``[N, V]`` tensor, and its bf16 results are exact
+  to fp32 rounding (TRL's bf16 ``log_softmax`` is off by ~5e-2). fp32 and
+  fp64 results equal TRL's to rounding.
+* :func:`grpo_loss` is ``GRPOTrainer``'s policy loss as a pure function, for
+  every ``loss_type`` of TRL's ``GRPOConfig`` (``grpo``, ``bnpo``,
+  ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), with
+  TRL's argument names, mapped onto rlmath's losses and aggregation modes.
+
+Nothing here imports TRL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import rlmath
+from rlmath._validation import check_choice, check_in_range, check_mask, check_tensor
+
+__all__ = ["TRL_LOSS_TYPES", "entropy_from_logits", "grpo_loss", "selective_log_softmax"]
+
+#: Every ``loss_type`` of TRL's ``GRPOConfig`` that :func:`grpo_loss` accepts.
+TRL_LOSS_TYPES: tuple[str, ...] = (
+    "grpo",
+    "bnpo",
+    "dr_grpo",
+    "dapo",
+    "cispo",
+    "sapo",
+    "luspo",
+    "vespo",
+)
+
+_CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)`` gathered at ``index``, in bounded memory (:func:`rlmath.log_probs_from_logits`).
+
+    Shapes: ``logits`` ``(..., V)``, ``index`` ``(...)`` integer. Result: the
+    shape of ``index``, fp32 (fp64 for fp64 logits) whatever the logits'
+    dtype; differentiable w.r.t. ``logits``.
+    """
+    return rlmath.log_probs_from_logits(logits, index)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits)`` per row, ``chunk_size`` rows at a time.
+
+    :func:`rlmath.entropy_from_logits`. Shapes: ``logits`` ``(..., V)``;
+    result ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits) whatever the
+    logits' dtype; differentiable, and finite for ``-inf`` logits.
+    """
+    return rlmath.entropy_from_logits(logits, chunk_size=chunk_size)
+
+
+def _masked_row_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return rlmath.masked_mean(x, valid)
+
+
+def grpo_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    beta: float = 0.0,
+    ref_per_token_logps: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: Any = None,
+    num_processes: int = 1,
+    gradient_accumulation_steps: int = 1,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL ``GRPOTrainer``'s loss for one micro-batch, as ``(loss, metrics)``.
+
+    Per-token losses (``r`` the token ratio, or the length-normalised
+    sequence ratio with ``importance_sampling_level="sequence"``):
+
+    * ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: PPO clip
+      ``−min(r·A, clip(r, 1−epsilon, 1+epsilon_high)·A)``
+      (:func:`rlmath.compute_policy_loss_vanilla`, or the GSPO-token form
+      :func:`rlmath.compute_policy_loss_gspo` at sequence level); ``delta``
+      (INTELLECT-2's upper bound for ``A < 0``, > ``1 + epsilon_high``) is
+      rlmath's dual clip ``clip_ratio_c``.
+    * ``cispo``: ``−sg(min(r, epsilon_high))·A·log π`` — TRL's
+      ``epsilon_high`` is an absolute cap here (:func:`rlmath.compute_policy_loss_cispo`
+      with ``upper_only=True``, ``clip_ratio_high = epsilon_high − 1``).
+    * ``sapo``: the soft gate (:func:`rlmath.compute_policy_loss_sapo`).
+    * ``vespo``: the Gamma weight of the sequence ratio
+      (:func:`rlmath.compute_policy_loss_vespo`); ``importance_sampling_ratio``
+      is folded into that ratio instead of multiplying the loss.
+
+    Aggregation (``B`` rows, ``G`` = ``gradient_accumulation_steps``):
+    ``grpo``/``sapo``: mean over rows of each row's token mean, ``/ G``
+    (``seq-mean-token-mean``); ``bnpo``: local token mean ``/ G``
+    (``token-mean``); ``dr_grpo``: ``Σ / (B · max_completion_length) / G``
+    (``seq-mean-token-sum-norm``); ``dapo``/``cispo``/``vespo``:
+    ``Σ · num_processes / num_items_in_batch`` (``token-mean`` with the
+    global token count; ``num_items_in_batch`` defaults to the local count);
+    ``luspo``: ``Σ_i |y_i|·l_i / B / G`` (``seq-mean-token-sum``). Rows
+    without a valid token count in ``B``, as in TRL.
+
+    With ``beta > 0`` the k3 estimate of KL(π‖π_ref) (unclamped, as TRL's;
+    times the token ratio with ``use_bias_correction_kl``) is added to every
+    token's loss. ``importance_sampling_ratio`` (vLLM's truncated IS weights,
+    ``(B, T)``) multiplies the policy term for every loss type but ``vespo``.
+    Entropy or off-policy masks: multiply them into ``completion_mask``.
+
+    Args:
+        per_token_logps: log π_θ of the completion tokens, ``(B, T)``.
+        old_per_token_logps: log π_old, ``(B, T)``, or None (on-policy: the
+            detached ``per_token_logps``, as TRL).
+        advantages: ``(B,)`` per completion or ``(B, T)``.
+        completion_mask: bool or 0/1 ``(B, T)``.
+
+    Returns:
+        ``loss`` (0-d, fp32; fp64 for fp64 inputs) and detached 0-d metrics
+        with TRL's names: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+        ``clip_ratio/region_mean`` (clip family), ``cispo_clip_ratio``,
+        ``vespo/phi_seq_mean``, ``kl`` (when ``beta > 0``); local values
+        (TRL averages them over processes).
+    """
+    check_choice("loss_type", loss_type, TRL_LOSS_TYPES)
+    check_choice("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
+    check_tensor("per_token_logps", per_token_logps, floating=True)
+    if per_token_logps.dim() != 2:
+        raise ValueError(
+            f"per_token_logps must have shape (B, T), got {tuple(per_token_logps.shape)}"
+        )
+    check_mask("completion_mask", completion_mask, "per_token_logps", per_token_logps)
+    check_tensor("advantages", advantages, floating=True)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    if advantages.dim() != 2 or advantages.shape[0] != per_token_logps.shape[0]:
+        raise ValueError(
+            f"advantages must have shape (B,) or (B, T) with B = {per_token_logps.shape[0]}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    advantages = advantages.expand(per_token_logps.shape)
+    if old_per_token_logps is None:
+        old_per_token_logps = per_token_logps.detach()
+    check_in_range("epsilon", epsilon, 0.0, None)
+    eps_high = (
+        epsilon if epsilon_high is None else check_in_range("epsilon_high", epsilon_high, 0.0, None)
+    )
+    for name, value in (
+        ("num_processes", num_processes),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        raise ValueError(
+            "loss_type 'luspo' requires importance_sampling_level='sequence' (as in TRL)"
+        )
+    if loss_type == "vespo" and importance_sampling_level != "token":
+        raise ValueError(
+            "loss_type 'vespo' requires importance_sampling_level='token' (its weight is already "
+            "sequence-level, as in TRL)"
+        )
+    if loss_type in ("cispo", "sapo") and importance_sampling_level == "sequence":
+        raise ValueError(
+            f"loss_type {loss_type!r} is implemented at importance_sampling_level='token' only"
+        )
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError(
+            "loss_type 'dr_grpo' needs max_completion_length (its constant normaliser)"
+        )
+    if delta is not None:
+        check_in_range("delta", delta, 1.0 + eps_high, None, low_inclusive=False)
+    check_in_range("beta", beta, 0.0, None)
+    if beta > 0 and ref_per_token_logps is None:
+        raise ValueError("ref_per_token_logps is required when beta > 0")
+
+    mask = completion_mask
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    rows = per_token_logps.shape[0]
+    G = gradient_accumulation_steps
+    if loss_type in ("grpo", "sapo"):
+        agg: Any = {"loss_agg_mode": "seq-mean-token-mean", "global_num_seqs": rows * G}
+    elif loss_type == "bnpo":
+        local = rlmath.masked_sum(torch.ones_like(per_token_logps), mask)
+        agg = {"loss_agg_mode": "token-mean", "global_num_tokens": local * G}
+    elif loss_type == "dr_grpo":
+        agg = {
+            "loss_agg_mode": "seq-mean-token-sum-norm",
+            "global_num_seqs": rows * G,
+            "norm_length": max_completion_length,
+        }
+    elif loss_type == "luspo":
+        agg = {"loss_agg_mode": "seq-mean-token-sum", "global_num_seqs": rows * G}
+    else:  # dapo, cispo, vespo: the global token count of the accumulated batch
+        count = num_items_in_batch
+        if count is None:
+            count = rlmath.masked_sum(torch.ones_like(per_token_logps), mask)
+        if isinstance(count, torch.Tensor):
+            count = count.clamp(min=1.0)
+        elif count < 1:
+            count = 1.0
+        agg = {"loss_agg_mode": "token-mean", "global_num_tokens": count, "dp_size": num_processes}
+
+    is_weights = None if loss_type == "vespo" else importance_sampling_ratio
+    args = (old_per_token_logps, per_token_logps, advantages, mask)
+    metrics: dict[str, torch.Tensor] = {}
+    if loss_type in _CLIP_FAMILY:
+        if importance_sampling_level == "token":
+            loss, _ = rlmath.compute_policy_loss_vanilla(
+                old_per_token_logps, per_token_logps, advantages, mask, clip_ratio=epsilon,
+                clip_ratio_low=epsilon, clip_ratio_high=eps_high, clip_ratio_c=delta,
+                rollout_is_weights=is_weights, **agg,
+            )  # fmt: skip
+            coef = torch.exp(
+                (per_token_logps.detach() - old_per_token_logps.detach()).clamp(-20, 20)
+            )
+            adv, units = advantages, valid
+        else:
+            if delta is not None:
+                raise ValueError("delta is implemented at importance_sampling_level='token' only")
+            loss, _ = rlmath.compute_policy_loss_gspo(
+                old_per_token_logps, per_token_logps, advantages, mask, clip_ratio=epsilon,
+                clip_ratio_low=epsilon, clip_ratio_high=eps_high, rollout_is_weights=is_weights,
+                **agg,
+            )  # fmt: skip
+            seq = rlmath.sequence_log_ratio(per_token_logps - old_per_token_logps, mask)
+            coef = torch.exp(seq.squeeze(-1))
+            adv = rlmath.masked_mean(advantages.detach(), mask, axis=-1)
+            units = valid.any(dim=-1)
+        low = (coef < 1 - epsilon) & (adv < 0)
+        high = (coef > 1 + eps_high) & (adv > 0)
+        metrics["clip_ratio/low_mean"] = _masked_row_mean(low, units)
+        metrics["clip_ratio/high_mean"] = _masked_row_mean(high, units)
+        metrics["clip_ratio/region_mean"] = _masked_row_mean(low | high, units)
+    elif loss_type == "cispo":
+        if eps_high < 1:
+            raise ValueError(
+                f"epsilon_high is CISPO's absolute cap and must be >= 1, got {eps_high}"
+            )
+        loss, _ = rlmath.compute_policy_loss_cispo(
+            *args, clip_ratio_high=eps_high - 1, upper_only=True, rollout_is_weights=is_weights,
+            **agg,
+        )  # fmt: skip
+        coef = torch.exp((per_token_logps.detach() - old_per_token_logps.detach()).clamp(-20, 20))
+        metrics["cispo_clip_ratio"] = _masked_row_mean((coef > eps_high) & (advantages > 0), valid)
+    elif loss_type == "sapo":
+        loss, _ = rlmath.compute_policy_loss_sapo(
+            *args, tau_pos=sapo_temperature_pos, tau_neg=sapo_temperature_neg,
+            rollout_is_weights=is_weights, **agg,
+        )  # fmt: skip
+    else:
+        loss, m = rlmath.compute_policy_loss_vespo(
+            *args, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos, k_neg=vespo_k_neg,
+            lambda_neg=vespo_lambda_neg, importance_sampling_ratio=importance_sampling_ratio,
+            **agg,
+        )  # fmt: skip
+        metrics["vespo/phi_seq_mean"] = m["vespo_phi_mean"]
+    if beta > 0:
+        assert ref_per_token_logps is not None
+        kl = rlmath.kl_penalty(per_token_logps, ref_per_token_logps, "k3", k3_max=None)
+        if use_bias_correction_kl:
+            # TRL multiplies by its (differentiable) importance weight of the level.
+            log_ratio = (per_token_logps - old_per_token_logps.detach()).clamp(-20, 20)
+            if importance_sampling_level == "sequence":
+                log_ratio = rlmath.masked_mean(log_ratio, mask, axis=-1).unsqueeze(-1)
+            kl = kl * torch.exp(log_ratio)
+        loss = loss + beta * rlmath.agg_loss(kl, mask, **agg)
+        metrics["kl"] = rlmath.masked_mean(kl.detach(), mask)
+    return loss, {k: v.detach() for k, v in metrics.items()}
