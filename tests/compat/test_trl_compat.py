@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmath.compat import trl as ct
-from tests.host_reads import forbid_host_reads
+from tests.host_sync import forbid_host_reads
 
 
 def test_selective_log_softmax_and_entropy_against_float64():

@@ -14,7 +14,7 @@ import torch
 
 import rlmath
 import rlmath.compat.verl as cv
-from tests.host_reads import forbid_host_reads
+from tests.host_sync import forbid_host_reads
 
 
 def inputs(seed=0, b=5, t=8, dtype=torch.float64):

@@ -33,6 +33,7 @@ LOSS_KWARGS: dict[str, dict] = {
     "dppo_kl": {},
     "dro": {"dro_beta": 0.3},
     "reinforce": {},
+    "vespo": {},
 }
 
 

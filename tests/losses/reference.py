@@ -216,6 +216,21 @@ def ref_covariance(adv, lp, mask):
     return {c: (float(adv[c]) - ma) * (float(lp[c]) - ml) for c in cells}
 
 
+def ref_vespo(old, lp, adv, mask, *, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, **_):
+    """VESPO: -φ(w_i)·A·log π with the detached sequence weight w_i = Π_t r_{i,t} (clamped)."""
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        log_w = sum(float(_log_ratio(lp[i, t], old[i, t]).detach()) for t in row)
+        log_w = min(max(log_w, math.log(1e-8)), 20.0)
+        for t in row:
+            a = adv[i, t]
+            k, lam = (k_pos, lambda_pos) if a >= 0 else (k_neg, lambda_neg)
+            lam = max(lam, 1e-4)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+            out[(i, t)] = -phi * a * lp[i, t]
+    return out
+
+
 REFERENCES = {
     "vanilla": ref_vanilla,
     "gspo": ref_gspo_token,
@@ -231,4 +246,5 @@ REFERENCES = {
     "dppo_kl": ref_dppo_kl,
     "clip_cov": ref_clip_cov,
     "kl_cov": ref_kl_cov,
+    "vespo": ref_vespo,
 }

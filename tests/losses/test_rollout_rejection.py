@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlmath
-from tests.host_reads import forbid_host_reads
+from tests.host_sync import forbid_host_reads
 
 OPTIONS = rlmath.ROLLOUT_REJECTION_OPTIONS
 

@@ -282,7 +282,8 @@ def test_compute_rewards(kl_coef, gen):
 
 
 def test_kl_controllers_step_by_step(gen):
-    for init, target, horizon in ((0.1, 6.0, 10000), (0.2, 0.05, 500), (1.0, 1.0, 64)):
+    # Updates of at most one horizon: rlmath's rule is verl's.
+    for init, target, horizon in ((0.1, 6.0, 10000), (0.2, 0.05, 500), (1.0, 1.0, 300)):
         ours = rlmath.AdaptiveKLController(init, target, horizon)
         theirs = verl_core.AdaptiveKLController(init, target, horizon)
         for _ in range(50):
@@ -295,6 +296,19 @@ def test_kl_controllers_step_by_step(gen):
     fixed.update(5.0, 100)
     fixed_v.update(5.0, 100)
     assert fixed.value == fixed_v.value
+
+
+def test_kl_controller_long_update_documented_difference():
+    # An update longer than the horizon: verl applies one linear step of n/horizon,
+    # which drives the coefficient negative (rewarding distance from the reference);
+    # rlmath applies one Ziegler step per horizon, so it stays positive
+    # (rlmath.kl_controllers.AdaptiveKLController.update).
+    ours = rlmath.AdaptiveKLController(0.1, 0.05, 10)
+    theirs = verl_core.AdaptiveKLController(0.1, 0.05, 10)
+    ours.update(0.0, 1000)
+    theirs.update(0.0, 1000)
+    assert float(theirs.value) == pytest.approx(-1.9)
+    assert ours.value == pytest.approx(0.1 * 0.8**100, rel=1e-12) and ours.value > 0
 
 
 # --------------------------------------------------------------------------- LR schedules

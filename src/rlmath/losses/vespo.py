@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 
 import torch
+from typing_extensions import Unpack
 
 from rlmath._validation import check_in_range, check_same_shape, check_tensor
-from rlmath.losses.aggregation import Count, agg_loss
-from rlmath.losses.ratio import policy_metrics, prepare_policy_inputs
-from rlmath.masked import masked_mean
+from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
+from rlmath.losses.aggregation import AggregationKwargs
+from rlmath.losses.registry import register_policy_loss
 
 __all__ = ["compute_policy_loss_vespo", "vespo_weight"]
 
@@ -64,6 +65,7 @@ def vespo_weight(
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
 
 
+@register_policy_loss("vespo")
 def compute_policy_loss_vespo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -76,11 +78,9 @@ def compute_policy_loss_vespo(
     k_neg: float = 3.0,
     lambda_neg: float = 2.0,
     importance_sampling_ratio: torch.Tensor | None = None,
-    global_num_tokens: Count = None,
-    global_num_seqs: Count = None,
-    dp_size: int = 1,
-    norm_length: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
     log_ratio_clamp: float = 20.0,
+    **aggregation: Unpack[AggregationKwargs],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """VESPO loss (module docstring).
 
@@ -91,10 +91,13 @@ def compute_policy_loss_vespo(
     The sequence weight uses the advantage of each token for its sign
     (outcome advantages are constant within a sequence). Extra metric
     ``vespo_phi_mean``: the mean of ``φ`` over sequences with a valid token.
+    ``rollout_is_weights`` multiply the per-token loss, as in every loss.
     """
+    agg = check_loss_args(loss_agg_mode, aggregation)
     inp = prepare_policy_inputs(
-        old_log_prob, log_prob, advantages, response_mask, None, log_ratio_clamp=log_ratio_clamp
-    )
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+    )  # fmt: skip
     seq_log_w = torch.where(inp.valid, inp.clamped_log_ratio.detach(), 0).sum(-1, keepdim=True)
     if importance_sampling_ratio is not None:
         check_tensor("importance_sampling_ratio", importance_sampling_ratio, floating=True)
@@ -109,13 +112,10 @@ def compute_policy_loss_vespo(
         lambda_neg=lambda_neg,
     )  # fmt: skip
     loss_mat = -phi * inp.advantages * inp.log_prob
-    loss = agg_loss(
-        loss_mat, response_mask, loss_agg_mode,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, norm_length=norm_length,
-    )  # fmt: skip
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     metrics = policy_metrics(inp)
     seq_valid = inp.valid.any(dim=-1)
-    seq_phi = masked_mean(phi, inp.mask, axis=-1)
-    metrics["vespo_phi_mean"] = masked_mean(seq_phi, seq_valid).detach()
+    seq_phi = inp.mean(phi.expand_as(inp.advantages), axis=-1)
+    seq_mean = torch.where(seq_valid, seq_phi, 0).sum() / seq_valid.sum().clamp_min(1)
+    metrics["vespo_phi_mean"] = seq_mean.detach()
     return loss, metrics
