@@ -282,7 +282,8 @@ def test_compute_rewards(kl_coef, gen):
 
 
 def test_kl_controllers_step_by_step(gen):
-    for init, target, horizon in ((0.1, 6.0, 10000), (0.2, 0.05, 500), (1.0, 1.0, 64)):
+    # Updates that cover at most one horizon (a batch per update): verl's values exactly.
+    for init, target, horizon in ((0.1, 6.0, 10000), (0.2, 0.05, 500), (1.0, 1.0, 300)):
         ours = rlmath.AdaptiveKLController(init, target, horizon)
         theirs = verl_core.AdaptiveKLController(init, target, horizon)
         for _ in range(50):
@@ -295,6 +296,18 @@ def test_kl_controllers_step_by_step(gen):
     fixed.update(5.0, 100)
     fixed_v.update(5.0, 100)
     assert fixed.value == fixed_v.value
+
+
+def test_adaptive_kl_controller_long_update_documented_difference():
+    # docs/design.md, "KL estimators, controllers and rewards": an update covering more
+    # than one horizon is applied one horizon at a time, so beta keeps its sign. verl
+    # takes one Euler step: at 5 horizons with the KL far below target its beta is 0.
+    ours = rlmath.AdaptiveKLController(0.1, 1.0, 100)
+    theirs = verl_core.AdaptiveKLController(0.1, 1.0, 100)
+    ours.update(0.0, 500)
+    theirs.update(0.0, 500)
+    assert float(theirs.value) == 0.0
+    assert ours.value == pytest.approx(0.1 * 0.8**5, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- LR schedules
