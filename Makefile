@@ -1,16 +1,24 @@
 # Two entry points (see README): `make demo` and `make test`.
-# Each creates .venv and installs the CPU build of torch 2.13.0 first, then rlmath
-# with its extras, only when pyproject.toml changed since the last install.
+# Each creates .venv and installs torch 2.13.0 first, then rlmath with its extras,
+# only when pyproject.toml changed since the last install.
+#
+# TORCH_INDEX_URL: the package index torch is installed from. Empty (the default):
+# a plain `pip install torch==2.13.0` from the index pip is configured with. Where
+# that index serves only CUDA builds, take the CPU build from PyTorch's index:
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# It is used when .venv is set up; remove .venv to switch builds.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmath-installed
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_URL))
 
 .PHONY: demo test lint typecheck bench bench-gpu peers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[test,dev,demo,hf]'
 	touch $(STAMP)
 
