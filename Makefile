@@ -1,16 +1,29 @@
 # Two entry points (see README): `make demo` and `make test`.
-# Each creates .venv and installs the CPU build of torch 2.13.0 first, then rlmath
-# with its extras, only when pyproject.toml changed since the last install.
+# Each creates .venv and installs torch 2.13.0 first, then rlmath with its extras,
+# only when pyproject.toml changed since the last install.
+#
+# TORCH_INDEX_URL: the package index torch is installed from. Empty (the default):
+# a plain `pip install torch==2.13.0` from the index pip is configured with. Where
+# that index serves only CUDA builds, take the CPU build from PyTorch's index:
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# It is used when .venv is set up; remove .venv to switch builds.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmath-installed
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_URL))
 
-.PHONY: demo test lint typecheck bench bench-gpu peers
+# The documentation site and the source distribution use their own environment.
+DOCS_VENV ?= .venv-docs
+DOCS_PY := $(DOCS_VENV)/bin/python
+DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
+
+.PHONY: demo test lint typecheck bench bench-gpu peers docs sdist
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[test,dev,demo,hf]'
 	touch $(STAMP)
 
@@ -23,8 +36,8 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/_ext
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/_ext
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -41,3 +54,26 @@ bench-gpu: $(STAMP)
 peers:
 	test -x .venv-peers/bin/python || bash tests/peers/setup_peers_env.sh
 	.venv-peers/bin/python -m pytest -q -p no:cacheprovider tests/peers
+
+$(DOCS_STAMP): docs/requirements.txt
+	test -x $(DOCS_PY) || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install -q -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+# The HTML site (guides + API reference from the docstrings) into site/; any
+# warning fails the build (mkdocs.yml: strict).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+
+# The source distribution into dist/, then a check that it carries every tracked
+# file of the library, the tests, the docs, the examples and the benchmarks.
+sdist: $(DOCS_STAMP)
+	rm -f dist/rlmath-*.tar.gz
+	$(DOCS_PY) -m build --sdist --outdir dist .
+	tar -tzf dist/rlmath-*.tar.gz | sed 's|^[^/]*/||' | sort > dist/sdist-files.txt
+	git ls-files src tests docs examples benchmarks Makefile pyproject.toml LICENSE \
+		README.md CHANGELOG.md CONTRIBUTING.md mkdocs.yml MANIFEST.in | sort \
+		| comm -23 - dist/sdist-files.txt > dist/sdist-missing.txt
+	@if [ -s dist/sdist-missing.txt ]; then \
+		echo "missing from the sdist:"; cat dist/sdist-missing.txt; exit 1; fi
+	@echo "sdist: $$(ls dist/rlmath-*.tar.gz), $$(wc -l < dist/sdist-files.txt) entries, tests included"

@@ -5,7 +5,7 @@ log-probs and entropies (both outputs used, random upstream gradients; hidden
 and weight require grad, no bias) with:
 
 * ``unfused``: ``log_probs_and_entropy_from_logits(hidden @ weight.T, labels)``,
-  the path the issue's targets are measured against (the ``(N, V)`` logits and
+  the path every ratio is measured against (the ``(N, V)`` logits and
   their gradient exist);
 * ``rlmath fused``: :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`;
 * ``verl``: ``FusedLinearForPPO`` (``verl.utils.experimental.torch_functional``,
@@ -25,7 +25,7 @@ the first 64 rows (fp64 matmul of the same input values).
 
 "extra peak MiB" is everything beyond the gradients and the outputs (the
 inputs exist before and are not counted); the percentage also leaves out the
-fp32 buffer of the weight's shape that the issue allows for bf16 weights (for
+fp32 buffer of the weight's shape that the memory bound allows for bf16 weights (for
 every implementation alike, whether it uses one or not).
 
 Usage: ``python benchmarks/bench_fused_head.py [--quick] [--shapes 8192x1024x32000,...]
@@ -128,7 +128,7 @@ def bench_case(
             forward_backward(fn, hidden, weight, labels, grads)
             times[name].append(time.perf_counter() - t0)
     fp32_logits = 4 * n * v
-    # The issue's measure also leaves out one fp32 buffer of the weight's shape for half weights.
+    # The memory bound also leaves out one fp32 buffer of the weight's shape for half weights.
     allowance = 4 * weight.numel() if dtype in (torch.bfloat16, torch.float16) else 0
     base = statistics.median(times["unfused"])
     rows = []

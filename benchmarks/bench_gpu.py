@@ -1,7 +1,7 @@
 """Benchmark on a CUDA device: rlmath's pure-torch log-probs and fused head vs the naive paths.
 
-The CPU benchmarks (``bench_logprobs.py``, ``bench_fused_head.py``) carry the
-issues' targets; this script shows what the same pure-torch code does on a
+The CPU benchmarks (``bench_logprobs.py``, ``bench_fused_head.py``) measure
+rlmath's performance goals; this script shows what the same pure-torch code does on a
 GPU, where no Triton kernel sits behind it yet. For each case it prints the
 median time of ``--repeats`` runs (CUDA-synchronized wall clock after a
 warm-up), the ratio to the naive path in the same run, the extra peak memory
@@ -159,7 +159,7 @@ def fused_rows(n: int, h: int, v: int, dtype: torch.dtype, repeats: int) -> list
     del ref
     grads = (hidden.numel() + weight.numel()) * hidden.element_size()
     if dtype != torch.float32:
-        grads += weight.numel() * 4  # the fp32 accumulator the issue allows
+        grads += weight.numel() * 4  # the fp32 grad_weight accumulator the memory bound allows
     rows = []
     for name, f in impls.items():
         peak = _peak(lambda f=f: fwd_bwd(f), grads)

@@ -4,7 +4,7 @@ For each logits shape and dtype it times, in one process and interleaved run
 by run (so that load from other processes hits every implementation alike):
 
 * ``naive log_softmax+gather``: ``log_softmax(logits.float(), -1).gather(-1, labels)``,
-  the reference of the issue's targets, timed in every case (``×naive`` columns);
+  the baseline of every ratio, timed in every case (``×naive`` columns);
 * ``naive + entropy``: the same plus ``-(p·logp).sum(-1)``;
 * ``rlmath``: :func:`rlmath.log_probs_from_logits` /
   :func:`rlmath.log_probs_and_entropy_from_logits`;
@@ -82,8 +82,8 @@ BASE = "naive log_softmax+gather"
 
 
 def implementations(with_entropy: bool, peers: bool) -> dict[str, Impl]:
-    # The targets compare every implementation, with or without the
-    # entropy, to the naive fp32 log_softmax + gather: it is timed in every case.
+    # Every implementation, with or without the entropy, is compared to the naive
+    # fp32 log_softmax + gather (docs/logprobs.md): it is timed in every case.
     impls: dict[str, Impl] = {BASE: naive_lp}
     if with_entropy:
         impls["naive + entropy"] = naive_lp_ent

@@ -2,7 +2,7 @@
 
 Every public function is importable from the top level, e.g.
 ``from rlmath import masked_mean, kl_penalty``. Semantics are pinned in
-DESIGN.md; each function's docstring states the shapes and dtypes.
+docs/design.md; each function's docstring states the shapes and dtypes.
 """
 
 from rlmath import (

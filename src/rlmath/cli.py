@@ -8,7 +8,20 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "version"]
+
+
+def version() -> str:
+    """The installed distribution's version, else ``rlmath.__version__`` (a source tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rlmath")
+    except PackageNotFoundError:
+        from rlmath import __version__
+
+        return __version__
 
 
 def _number(
@@ -198,6 +211,9 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlmath", description="rlmath: the math engine of RLHF training."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"rlmath {version()}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -96,7 +96,7 @@ def test_returns_are_advantages_plus_values_before_whitening():
     torch.testing.assert_close(white, masked_whiten(raw, mask), rtol=0, atol=1e-12)
 
 
-def test_issue_repro_masked_value_is_not_bootstrapped():
+def test_masked_value_is_not_bootstrapped():
     mask = torch.tensor([[1, 1, 0]])
     rewards = torch.tensor([[0.0, 1.0, 0.0]])
     for whiten in (False, True):

@@ -124,7 +124,7 @@ def test_low_precision_against_fp64(name):
     ],
 )
 def test_reference_numbers(index):
-    # A group of 8 with three rewards of 1 and five of 0 (issue 4 / DESIGN.md).
+    # A group of 8 with three rewards of 1 and five of 0 (docs/design.md, "Advantage estimators").
     rewards = torch.zeros(8, 4)
     rewards[:3, -1] = 1.0
     mask = torch.ones(8, 4, dtype=torch.bool)

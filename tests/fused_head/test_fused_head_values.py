@@ -23,7 +23,7 @@ fused = log_probs_and_entropy_from_hidden
 
 
 def tol(dtype):
-    # fp32: the bar of 1e-5 against the fp64 reference (fp32 matmul + fp32 softmax).
+    # fp32: a bar of 1e-5 against the fp64 reference (fp32 matmul + fp32 softmax).
     return {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {"atol": 1e-5, "rtol": 0}
 
 

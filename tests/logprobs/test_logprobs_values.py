@@ -21,7 +21,7 @@ ALL_DTYPES = [torch.float64, *LOW_PRECISION]
 
 
 def tol(dtype: torch.dtype) -> dict:
-    """fp64 compute is exact to rounding; everything else computes in fp32 (issue: 2e-6)."""
+    """fp64 compute is exact to rounding; everything else computes in fp32 (bar: 2e-6)."""
     if dtype == torch.float64:
         return {"atol": 1e-12, "rtol": 1e-12}
     return {"atol": 2e-6, "rtol": 1e-7}
@@ -79,7 +79,7 @@ def test_kl_matches_fp64_reference(dtype, temp_kind):
 
 
 def test_bf16_is_exact_where_naive_bf16_is_not():
-    # The issue's bar: bf16 logits, error against fp64 of the same bf16 values <= 1e-5.
+    # The bar: bf16 logits, error against fp64 of the same bf16 values <= 1e-5.
     logits = make_logits((16, 32000), torch.bfloat16, scale=4.0)
     labels = torch.randint(0, 32000, (16,), generator=torch.Generator().manual_seed(0))
     ref = ref_log_probs(logits, labels)

@@ -40,7 +40,7 @@ from .helpers import LOSS_KWARGS, MODES, policy_batch
 
 RANKS, MICRO = 4, 2
 B, T = 20, 9
-TOL = dict(rtol=1e-6, atol=1e-6)  # the brief's bound; fp64 agreement is ~1e-15 in practice
+TOL = dict(rtol=1e-6, atol=1e-6)  # a loose bound; fp64 agreement is ~1e-15 in practice
 
 
 def _partition(seed: int) -> list[torch.Tensor]:

@@ -47,7 +47,8 @@ def test_entropy_from_logits(shape, gen):
 
 
 def test_bf16_precision_documented_difference(gen):
-    # DESIGN "Precision": fp32 results for bf16 logits; TRL's bf16 path is a bf16 log_softmax.
+    # docs/design.md "Conventions" (precision): fp32 results for bf16 logits; TRL's bf16
+    # path is a bf16 log_softmax.
     logits = randn(3, 5, 2000, gen=gen, scale=4.0).to(torch.bfloat16)
     labels = torch.randint(0, 2000, (3, 5), generator=gen)
     exact = trl_utils.selective_log_softmax(logits.double(), labels)

@@ -1,16 +1,16 @@
-"""Differential tests, advantage estimators (issue 4): rlmath vs verl 0.9.1.
+"""Differential tests, advantage estimators: rlmath vs verl 0.9.1.
 
 Every estimator of verl's registry is called through both registries on the same
 random batch: masks with interior gaps, groups that are neither contiguous nor of
 equal size, singleton groups, and outcome rewards on the last valid token (as a
 reward manager writes them) or spread over valid tokens.
 
-Pinned differences (DESIGN.md, "Advantage estimators" and "Conventions"):
-- "advantages and returns are exactly 0 at masked positions" (verl leaves GAE
+Pinned differences (docs/design.md, "Advantage estimators" and "Conventions"):
+- advantages and returns are exactly 0 at masked positions (verl leaves GAE
   advantages/returns, ReMax returns, ... non-zero under mask=0);
-- "Singleton groups (one sample): advantage 0 for every estimator" (verl's loops
+- singleton groups give advantage 0 in every estimator (verl's loops
   return the raw score, grpo_passk raises);
-- "A masked value never influences anything" (verl's outcome score is the sum of
+- a masked position never influences a value (verl's outcome score is the sum of
   the token rewards over *all* positions, masked ones included).
 Everything else must agree to float tolerance.
 """
@@ -35,7 +35,7 @@ def _ours(name):
     try:
         return rlmath.get_advantage_estimator(name)
     except AttributeError:
-        pytest.skip("rlmath.get_advantage_estimator has not landed yet")
+        pytest.skip("this rlmath has no get_advantage_estimator")
 
 
 def _theirs(name):
@@ -86,10 +86,10 @@ def _compare_outcome(name, ours_kw, theirs_kw, index, mask, singletons_zero=True
     keep = mask & ~single[:, None]
     assert_close(a[keep], av[keep], **TOL, msg=f"{name} advantages")
     assert_close(r[keep], rv[keep], **TOL, msg=f"{name} returns")
-    # DESIGN: "advantages and returns are exactly 0 at masked positions".
+    # docs/design.md: advantages and returns are exactly 0 at masked positions.
     assert torch.all(a[~mask] == 0) and torch.all(r[~mask] == 0), name
     if singletons_zero:
-        # DESIGN: "Singleton groups (one sample): advantage 0 for every estimator".
+        # docs/design.md: singleton groups give advantage 0 in every estimator.
         assert torch.all(a[single] == 0), name
     return a, av
 
@@ -119,7 +119,7 @@ def test_gae(seed, gamma, lam):
 
 
 def test_gae_masked_rewards_ignored():
-    # DESIGN: "rewards at masked positions are ignored". verl 0.9.1 skips the TD error
+    # docs/design.md (GAE): rewards under the mask are never read. verl 0.9.1 skips the TD error
     # of a masked token entirely, so a reward there is ignored by both.
     mask = torch.tensor([[1, 1, 0, 1, 0]], dtype=torch.bool)
     values = torch.tensor([[0.5, -0.2, 7.0, 0.1, 9.0]])
@@ -149,7 +149,8 @@ def test_grpo(seed, norm, verl_name, singletons):
 
 
 def test_grpo_reference_numbers_match_verl():
-    # DESIGN: "8 samples, 3 with reward 1: GRPO +1.2076/-0.7246, Dr.GRPO +0.625/-0.375".
+    # docs/design.md reference numbers: 8 samples, 3 with reward 1: GRPO +1.2076/-0.7246,
+    # Dr.GRPO +0.625/-0.375.
     rewards = torch.zeros(8, 3)
     rewards[:3, -1] = 1.0
     mask = torch.ones(8, 3, dtype=torch.bool)
@@ -179,7 +180,7 @@ def test_grpo_passk_singletons_documented_difference():
     with pytest.raises(ValueError):  # verl: "Pass@k requires at least 2 samples per group"
         _theirs("grpo_passk")(**kw, config=_algo())
     a, _ = _ours("grpo_passk")(**kw)
-    assert torch.all(a[singleton_rows(index)] == 0)  # DESIGN: singletons give 0
+    assert torch.all(a[singleton_rows(index)] == 0)  # docs/design.md: singletons give 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -225,7 +226,7 @@ def test_reinforce_plus_plus(seed, gamma, dense):
         token_level_rewards=rewards, response_mask=mask.float(), config=_algo(gamma=gamma)
     )
     # verl 0.9.1 already carries the running return across masked tokens ("skip —
-    # carry running_return through unchanged"), i.e. DESIGN's multi-turn semantics.
+    # carry running_return through unchanged"), i.e. GAE's multi-turn semantics.
     assert_close(a, av, **TOL, msg="rf++ advantages")
     assert_close(r, rv, **TOL, msg="rf++ returns")
 
@@ -330,7 +331,7 @@ def test_optimal_token_baseline(seed, name, handle_zero_tail, with_is):
 
 
 def test_outcome_score_ignores_masked_rewards_documented_difference():
-    # DESIGN ("Masks"): "A masked value never influences anything". verl sums
+    # docs/design.md ("Conventions", masks): a masked position never influences a value. verl sums
     # token_level_rewards over every position, masked ones included.
     index, mask, rewards, _ = make_batch(11, singletons=False)
     junk = torch.where(mask, rewards, 3.0)
@@ -352,7 +353,7 @@ def test_registry_covers_verl():
         except (ValueError, KeyError):
             missing.append(n)
         except AttributeError:
-            pytest.skip("rlmath.get_advantage_estimator has not landed yet")
+            pytest.skip("this rlmath has no get_advantage_estimator")
     assert not missing, f"verl estimators missing from rlmath's registry: {missing}"
 
 
@@ -373,8 +374,8 @@ def test_gae_fp64_tight(seed, gamma, lam):
 )
 def test_outcome_estimators_with_empty_rows(name):
     # A fully masked response (e.g. truncated to nothing) with reward 0: verl counts it
-    # as a group member with score 0. DESIGN only says its advantages are 0 ("exactly 0
-    # at masked positions"); the other rows should still agree with verl.
+    # as a group member with score 0. docs/design.md only says its advantages are 0
+    # (exactly 0 at masked positions); the other rows should still agree with verl.
     index, mask, rewards, _ = make_batch(5, singletons=False)
     mask[[0, 3]] = False
     rewards[[0, 3]] = 0.0
@@ -407,4 +408,4 @@ def test_optimal_token_baseline_singletons(name):
     single = singleton_rows(index)
     keep = mask & ~single[:, None]
     assert_close(a[keep], av[keep], **TOL)
-    assert torch.all(a[single] == 0)  # DESIGN: singletons give 0 (verl: the return)
+    assert torch.all(a[single] == 0)  # docs/design.md: singletons give 0 (verl: the return)

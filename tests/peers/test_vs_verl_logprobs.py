@@ -1,15 +1,15 @@
-"""Differential tests, log-probs and entropy (issue 3): rlmath vs verl 0.9.1.
+"""Differential tests, log-probs and entropy: rlmath vs verl 0.9.1.
 
 verl's CPU path is ``logprobs_from_logits_v2`` (no flash-attn here). Its rmpad
 helpers import ``flash_attn.bert_padding``; the tests install verl's own pure-torch
 fallbacks (``verl.utils.attention_utils._fallback_*``) under that name.
 
-Pinned differences (DESIGN.md "Log-probs, entropy, KL over the vocabulary"):
+Pinned differences (docs/design.md "Vocabulary operations"):
 - results are fp32 for bf16 logits, accumulated in fp32 (verl's bf16 path is a
   bf16 ``log_softmax``);
 - entropy with ``-inf`` logits is finite (verl: NaN);
-- the rmpad helper "shifts labels within each sequence (never across sequence
-  boundaries, unlike verl's global torch.roll)".
+- the rmpad helper shifts labels within each sequence (never across sequence
+  boundaries, unlike verl's global torch.roll).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def test_logprobs_temperature_equals_verl_on_scaled_logits(temperature, gen):
 
 
 def test_logprobs_bf16_documented_difference(gen):
-    # DESIGN "Precision": log-probs are fp32 whatever the input dtype, reductions in fp32.
+    # docs/design.md "Conventions" (precision): log-probs are fp32 whatever the input dtype,
+    # reductions in fp32.
     logits = randn(4, 8, 3000, gen=gen, scale=4.0).to(torch.bfloat16)
     labels = torch.randint(0, 3000, (4, 8), generator=gen)
     exact = verl_F.logprobs_from_logits(logits.double(), labels)
@@ -116,7 +117,7 @@ def test_logprobs_and_entropy_one_pass(gen):
 
 
 def test_entropy_neg_inf_logits_documented_difference(gen):
-    # DESIGN: "-inf logits (masked/padded vocabulary) give no NaN in forward or backward".
+    # docs/design.md: -inf logits (masked/padded vocabulary) give no NaN in forward or backward.
     logits = randn(4, 20, gen=gen)
     logits[:, 15:] = float("-inf")
     ours, g = _with_grad(rlmath.entropy_from_logits, logits)
@@ -172,12 +173,12 @@ def test_log_probs_from_logits_response_rmpad(seed, fake_flash_attn):
     # Every valid response token: rlmath rmpad == verl rmpad == dense.
     assert_close(ours[resp_mask], dense[resp_mask], **TOL)
     assert_close(theirs[resp_mask], dense[resp_mask], **TOL)
-    # DESIGN: rmpad "equals the dense result token for token".
+    # docs/design.md: rmpad equals the dense result token for token.
     assert_close(ours, torch.where(resp_mask, dense, ours), **TOL)
 
 
 def test_rmpad_verl_roll_crosses_sequences_documented_difference(fake_flash_attn):
-    # DESIGN: verl's global torch.roll scores the last token of each sequence against
+    # docs/design.md: verl's global torch.roll scores the last token of each sequence against
     # the first token of the next one. In verl's own layout that position is never a
     # valid response token; it becomes one when the slice covers every position
     # (response_length = seqlen - 1, as for a packed "all tokens" computation).
@@ -215,7 +216,7 @@ def test_log_probs_from_logits_all_rmpad(seed, fake_flash_attn):
 
 @pytest.mark.parametrize("upstream", [0.5, 1.0, 2.0, -3.0])
 def test_entropy_grad_finite_with_neg_inf_logits(upstream):
-    # DESIGN: "-inf logits ... give no NaN in forward or backward; gradient -p·(z - E_p[z])"
+    # docs/design.md: -inf logits give no NaN in forward or backward; gradient -p·(z - E_p[z])
     # (0 on a -inf column). Minimal repro of a mismatch found here: with an upstream
     # gradient of magnitude > 1 the -inf column's gradient came out NaN.
     z = torch.tensor([[1.0, 2.0, float("-inf")]], requires_grad=True)

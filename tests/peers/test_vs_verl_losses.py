@@ -1,4 +1,4 @@
-"""Differential tests, losses (issue 5): rlmath vs verl 0.9.1's ``core_algos``.
+"""Differential tests, losses: rlmath vs verl 0.9.1's ``core_algos``.
 
 ``agg_loss`` in every mode (also with ``dp_size > 1`` and global counts), every
 policy loss of verl's registry under verl's default ``ActorConfig`` (plus a few
@@ -6,10 +6,10 @@ non-default settings that reach every clip region), ``compute_value_loss`` and
 ``compute_entropy_loss``: loss values, gradients w.r.t. ``log_prob`` (or the
 loss matrix / logits) and the metrics both sides report.
 
-Pinned differences (DESIGN.md "Losses"):
+Pinned differences (docs/design.md "Losses and aggregation"):
 - ``seq-mean-token-sum-norm`` needs ``norm_length`` in rlmath (verl silently
   uses the padded width ``loss_mask.shape[-1]``);
-- "Fully masked sequences do not count as sequences" (verl's GMPO averages over
+- fully masked sequences do not count as sequences (verl's GMPO averages over
   every row with ``torch.mean``);
 - verl metrics are Python floats, rlmath's are 0-d tensors.
 """
@@ -102,8 +102,8 @@ def test_agg_loss(mode, seed, empty_row):
 
 
 def test_agg_loss_norm_length_documented_difference(gen):
-    # DESIGN/issue 5: "norm_length required, verl's silent default to the padded width
-    # is a known bug". With norm_length = padded width both agree.
+    # docs/design.md: norm_length is required; verl silently defaults to the padded width
+    # of each micro-batch. With norm_length = padded width both agree.
     mask = random_mask(4, 10, gen)
     loss_mat = randn(4, 10, gen=gen)
     with pytest.raises(ValueError, match="norm_length"):
@@ -184,8 +184,8 @@ POLICY_CASES = [
         ["seq-mean-token-mean"],
     ),
     ("gpg", {}, {}, [], MODES),
-    # GMPO clip fractions: rlmath's are sign-aware (DESIGN "pg_clipfrac (sign-aware
-    # high/low)"), verl counts every out-of-band token: see test_geo_mean_clipfrac_*.
+    # GMPO clip fractions: rlmath's are sign-aware (docs/design.md, "Metrics"), verl
+    # counts every out-of-band token: see test_geo_mean_clipfrac_*.
     ("geo_mean", {}, {}, ["ppo_kl"], ["seq-mean-token-mean"]),
     ("geo_mean", CLIP, CLIP, None, ["seq-mean-token-mean"]),
     ("dro", dict(dro_beta=0.5), dict(dro_beta=0.5), ["ppo_kl"], MODES),
@@ -371,7 +371,7 @@ def test_gspo_seq_differs_from_verl_gspo_with_token_advantages():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_geo_mean_clipfrac_sign_aware_documented_difference(seed):
-    # DESIGN "Metrics: pg_clipfrac (sign-aware high/low)": rlmath counts a token only
+    # docs/design.md "Metrics": pg_clipfrac is sign-aware: rlmath counts a token only
     # where the clip removed its gradient (A > 0 above 1+eps_high, A < 0 below 1-eps_low).
     # verl's GMPO counts every out-of-band token: pg_clipfrac for A > 0 and
     # pg_clipfrac_lower for A < 0, whichever side of the band it is on.
@@ -396,7 +396,7 @@ def test_geo_mean_clipfrac_sign_aware_documented_difference(seed):
 
 
 def test_geo_mean_fully_masked_rows_documented_difference():
-    # DESIGN: "Fully masked sequences do not count as sequences"; verl's GMPO takes
+    # docs/design.md: fully masked sequences do not count as sequences; verl's GMPO takes
     # torch.mean over all rows, so an empty row dilutes the loss by B/(B-1).
     old, logp, adv, mask, _ = make_inputs(3, empty_row=True)
     adv = adv[:, :1].expand_as(adv).contiguous()

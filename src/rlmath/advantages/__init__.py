@@ -5,7 +5,7 @@ verl's name (``get_advantage_estimator("grpo")``). Outputs are fp32 (fp64 for
 fp64 inputs) and exactly 0 at masked positions. GAE and the discounted returns
 use an ``O(B·T)`` tree scan instead of a Python loop over time; outcome
 estimators use segment reductions over group ids instead of loops over samples
-or groups. Semantics are pinned in DESIGN.md ("Advantage estimators").
+or groups. Semantics are pinned in docs/design.md ("Advantage estimators").
 """
 
 from rlmath.advantages.gae import (

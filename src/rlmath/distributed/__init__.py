@@ -10,7 +10,7 @@ from rlmath.distributed.data_parallel import *
 from rlmath.distributed.launch import *
 from rlmath.distributed.vocab_parallel import *
 
-# The names DESIGN.md uses for the data-parallel statistics.
+# verl-style names for the data-parallel statistics (docs/design.md, "Distributed").
 distributed_masked_mean = data_parallel.masked_mean
 distributed_masked_var = data_parallel.masked_var
 distributed_masked_whiten = data_parallel.masked_whiten
