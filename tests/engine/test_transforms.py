@@ -173,7 +173,10 @@ def test_export():
         program = torch.export.export(module, args)
         for a, b in zip(program.module()(*args), module(*args), strict=True):
             assert torch.equal(a, b)
-        assert "torch.ops.rlmath" in program.graph_module.code
+        # The operator, possibly inside a submodule (older torch exports the autograd
+        # function as a higher-order op with its own graph).
+        codes = [m.code for m in program.graph_module.modules() if hasattr(m, "code")]
+        assert any("torch.ops.rlmath" in code for code in codes)
 
 
 # ---------------------------------------------------------------- torch.func

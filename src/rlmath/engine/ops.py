@@ -8,15 +8,15 @@ recompilation per chunk count or thread count), and given a ``vmap`` rule
 it. Autograd is not registered here: the autograd functions of
 :mod:`rlmath.engine.functions` call a forward and a backward operator.
 
-Every operator takes its tensors first and the fields of
+The annotations are runtime objects in the ``typing`` forms (``List``,
+``Optional``, ``Tuple``) from which every supported torch infers an
+operator's schema. Every operator takes its tensors first and the fields of
 :class:`rlmath.engine.config.OpConfig` last, flattened by
 :meth:`~rlmath.engine.config.OpConfig.op_args`.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
-from typing import Any
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.library import custom_op, register_vmap
@@ -39,7 +39,7 @@ __all__ = [
 def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
     """A ``vmap`` rule that calls ``op`` once per batch element and stacks the results."""
 
-    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+    def rule(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tuple[Any, Any]:
         results = []
         for i in range(info.batch_size):
             call = [
@@ -65,14 +65,14 @@ def _cdt(*tensors: torch.Tensor) -> torch.dtype:
 @custom_op("rlmath::logits_forward", mutates_args=())
 def logits_forward(
     logits: torch.Tensor,
-    labels: torch.Tensor | None,
-    temperature: torch.Tensor | None,
-    row_index: torch.Tensor | None,
+    labels: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor],
+    row_index: Optional[torch.Tensor],
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    floats: List[float],
+    ints: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(M, K)``, entropy ``(M,)`` and log-sum-exp ``(M,)`` of selected rows."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.logits_forward(logits, labels, temperature, row_index, cfg)
@@ -90,18 +90,18 @@ def _(logits, labels, temperature, row_index, backend, group, floats, ints):
 
 @custom_op("rlmath::logits_backward", mutates_args=())
 def logits_backward(
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
+    grad_logp: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
     logits: torch.Tensor,
-    labels: torch.Tensor | None,
-    temperature: torch.Tensor | None,
-    row_index: torch.Tensor | None,
+    labels: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor],
+    row_index: Optional[torch.Tensor],
     lse: torch.Tensor,
     entropy: torch.Tensor,
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
+    floats: List[float],
+    ints: List[int],
 ) -> torch.Tensor:
     """The gradient of ``logits`` (its shape and dtype)."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
@@ -122,12 +122,12 @@ def _(grad_logp, grad_entropy, logits, *args):
 def kl_forward(
     logits: torch.Tensor,
     ref_logits: torch.Tensor,
-    temperature: torch.Tensor | None,
+    temperature: Optional[torch.Tensor],
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    floats: List[float],
+    ints: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``KL (N,)``, ``lse_z (N,)``, ``lse_r (N,)`` over the (sharded) vocabulary."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.kl_forward(logits, ref_logits, temperature, cfg)
@@ -145,7 +145,7 @@ def kl_backward(
     grad_kl: torch.Tensor,
     logits: torch.Tensor,
     ref_logits: torch.Tensor,
-    temperature: torch.Tensor | None,
+    temperature: Optional[torch.Tensor],
     lse_z: torch.Tensor,
     lse_r: torch.Tensor,
     kl: torch.Tensor,
@@ -153,9 +153,9 @@ def kl_backward(
     need_ref_logits: bool,
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    floats: List[float],
+    ints: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``logits`` and ``ref_logits`` (empty where not needed)."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.kl_backward(
@@ -179,14 +179,14 @@ def _(grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_logits, n
 def head_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    bias: Optional[torch.Tensor],
     labels: torch.Tensor,
-    temperature: torch.Tensor | None,
+    temperature: Optional[torch.Tensor],
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    floats: List[float],
+    ints: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Label log-probs ``(N, K)``, entropy ``(N,)`` and log-sum-exp ``(N,)`` of the head."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.head_forward(hidden, weight, bias, labels, temperature, cfg)
@@ -204,13 +204,13 @@ def _(hidden, weight, bias, labels, temperature, backend, group, floats, ints):
 
 @custom_op("rlmath::head_backward", mutates_args=())
 def head_backward(
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
+    grad_logp: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    bias: Optional[torch.Tensor],
     labels: torch.Tensor,
-    temperature: torch.Tensor | None,
+    temperature: Optional[torch.Tensor],
     lse: torch.Tensor,
     entropy: torch.Tensor,
     need_hidden: bool,
@@ -218,9 +218,9 @@ def head_backward(
     need_bias: bool,
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    floats: List[float],
+    ints: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``hidden``, ``weight`` and ``bias`` (empty where not needed)."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.head_backward(
@@ -244,11 +244,11 @@ def _(grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, e
 @custom_op("rlmath::sum_pi_squared", mutates_args=())
 def sum_pi_squared(
     logits: torch.Tensor,
-    temperature: torch.Tensor | None,
+    temperature: Optional[torch.Tensor],
     backend: str,
     group: str,
-    floats: list[float],
-    ints: list[int],
+    floats: List[float],
+    ints: List[int],
 ) -> torch.Tensor:
     """``Σ_v π_v²`` per row ``(N,)`` (no gradient)."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
