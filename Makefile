@@ -19,7 +19,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_PY := $(DOCS_VENV)/bin/python
 DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
 
-.PHONY: demo test lint typecheck bench bench-gpu peers docs sdist
+.PHONY: demo test lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,19 @@ bench: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py
+
+# The whole suite on the oldest torch rlmath supports (pyproject: torch>=2.6), in its
+# own environment. Not in CI: the torch wheel and its CUDA libraries take ~5 GB, and
+# the suite on a CPU-only build of 2.6 is as long as the main one.
+TORCH_OLDEST ?= 2.6.0
+OLDEST_VENV ?= .venv-torch-oldest
+test-torch-oldest:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST) $(TORCH_PIP_ARGS)
+	echo "torch==$(TORCH_OLDEST)" > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/constraints.txt -e '.[test,demo,hf]'
+	$(OLDEST_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_OLDEST)')"
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 # Differential tests against verl 0.9.1 and TRL 0.24, in their own environment.
 peers:

@@ -97,6 +97,9 @@ def _entry(
         result = fn(*args)
         with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        # Every rank tears the group down together: a rank still inside a collective
+        # (or its exit) while another destroys the group can hang or abort it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
