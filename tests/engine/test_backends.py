@@ -34,7 +34,7 @@ def _calls():
 
         return kernel
 
-    fields = [f.name for f in dataclasses.fields(Kernels)]
+    fields = [f.name for f in dataclasses.fields(Kernels) if f.name != "head_tiles"]
     return calls, Kernels(**{f: wrap(f) for f in fields})
 
 
