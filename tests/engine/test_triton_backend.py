@@ -101,6 +101,9 @@ def test_backend_is_registered_for_fp32_cpu_under_the_interpreter():
     assert available_backends(x64) == ["torch"] and resolve_backend("auto", x64) == "torch"
     with pytest.raises(ValueError, match="backend 'triton' does not accept torch.float64"):
         R.log_probs_from_logits(x64, torch.zeros(3, dtype=torch.long), backend="triton")
+    # The interpreter rounds to bf16 wrongly: half precision stays with the torch backend here.
+    assert available_backends(x.bfloat16()) == ["torch"]
+    assert available_backends(x.half()) == ["torch"]
 
 
 def test_kernels_take_the_temperature_as_a_tensor_argument():

@@ -15,7 +15,9 @@ a ``ValueError``), and a pass whose compute dtype is fp64 (say fp32 logits
 with fp64 reference logits) runs the pure-torch pass. With the environment
 variable ``TRITON_INTERPRET=1`` set before this module is first imported,
 Triton's interpreter runs the same kernels on CPU tensors (slowly; the
-tests use it), and the backend accepts CPU tensors instead of CUDA ones.
+tests use it), and the backend accepts fp32 CPU tensors instead of CUDA ones
+(the interpreter rounds to bf16 wrongly, so half precision is left to the
+pure-torch backend there).
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def supports(tensor: torch.Tensor) -> bool:
     """Whether the kernels take ``tensor``: fp32/bf16/fp16 on a CUDA device of compute capability
-    7.0+ (8.0+ for bf16), or on the CPU under the interpreter."""
+    7.0+ (8.0+ for bf16), or fp32 on the CPU under the interpreter."""
     if tensor.dtype not in DTYPES:
         return False
     if INTERPRETED:
-        return tensor.device.type == "cpu"
+        return tensor.device.type == "cpu" and tensor.dtype == torch.float32
     if tensor.device.type != "cuda":
         return False
     major, minor = _capability(tensor.device)
