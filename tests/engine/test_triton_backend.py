@@ -7,7 +7,9 @@ the definitions — on a machine without a GPU. Small fp32 shapes only (the
 interpreter is slow); the interpreter computes bf16 wrongly without an
 error, so half precision is tested on the GPU (``tests/test_cuda.py``).
 Skipped where ``triton`` does not import, and where a CUDA device is present
-without ``TRITON_INTERPRET=1`` (the compiled kernels are tested there).
+without ``TRITON_INTERPRET=1`` (the compiled kernels are tested there). The
+last test compiles every kernel for the GPU with Triton's real compiler,
+which the interpreter never runs.
 
 Tolerances: :mod:`tests.engine.triton_reference`.
 """
@@ -16,6 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -548,3 +553,26 @@ def test_fused_head_is_deterministic_and_entropy_optional():
         h, w, labels, return_entropy=False, vocab_chunk_size=64, backend="triton"
     )
     assert none is None and torch.equal(lp_only, runs[0][0].detach())
+
+
+# ------------------------------------------------------------------ compilation for the GPU
+
+
+def test_every_kernel_compiles_for_hopper_and_ampere(tmp_path):
+    """The interpreter does not compile: lower every kernel with Triton's compiler for sm_90
+    and sm_80 (no GPU needed), in a process without ``TRITON_INTERPRET``."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.triton_compile_check", "90", "80"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, (
+        "\n".join(line for line in lines if line.startswith("FAIL"))[-4000:] or proc.stderr[-4000:]
+    )
+    assert sum(line.startswith("OK") for line in lines) >= 150

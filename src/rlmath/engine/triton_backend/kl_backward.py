@@ -20,7 +20,7 @@ from rlmath.engine.triton_backend.row_math import inv_temperature
 __all__ = ["kl_grad"]
 
 # The fp32 floor of log-probabilities in the product (finfo(float32).min).
-_FMIN: tl.constexpr = -3.4028234663852886e38
+_FMIN = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit

@@ -98,7 +98,7 @@ def _kl_stats_kernel(
     log_sz = tl.log(s_z)
     log_sr = tl.log(s_r)
     shift = log_sz - log_sr
-    kl = tl.sum(a, 0) / s_z - shift
+    kl = tl.math.div_rn(tl.sum(a, 0), s_z) - shift
     kl = tl.where(kl < 0.0, 0.0, kl)  # rounding can leave a hair below 0 (NaN stays NaN)
     dead_z = mz == float("-inf")
     dead_r = mr == float("-inf")

@@ -22,14 +22,17 @@ __all__ = ["grad_entries", "inv_temperature", "row_stats"]
 
 # exp(-1e4) is 0 in fp32: a floor for shifted logits and log-probs in products
 # with their own exponential, so that 0·(-inf) never makes a NaN.
-LS_FLOOR: tl.constexpr = -1e4
+LS_FLOOR = tl.constexpr(-1e4)
 
 
 @triton.jit
 def inv_temperature(TEMP, idx, inv_t, TEMP_MODE: tl.constexpr):
-    """``1/T`` of row ``idx``: from the per-row tensor (mode 2), else the scalar ``inv_t``."""
+    """``1/T`` of row ``idx``: from the per-row tensor (mode 2), else the scalar ``inv_t``.
+
+    Correctly rounded (``div_rn``, once per row), as the host's ``1.0 / T`` is.
+    """
     if TEMP_MODE == 2:
-        r = 1.0 / tl.load(TEMP + idx).to(tl.float32)
+        r = tl.math.div_rn(1.0, tl.load(TEMP + idx).to(tl.float32))
     else:
         r = inv_t
     return r
