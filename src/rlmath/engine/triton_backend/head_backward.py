@@ -25,7 +25,12 @@ from rlmath.engine.triton_backend.head_blocks import (
     matmul_into,
     spans,
 )
-from rlmath.engine.triton_backend.launch import as_u8, block_config, temperature_args
+from rlmath.engine.triton_backend.launch import (
+    as_u8,
+    block_config,
+    on_input_device,
+    temperature_args,
+)
 from rlmath.engine.triton_backend.row_math import grad_entries, inv_temperature
 
 __all__ = ["head_grad"]
@@ -78,6 +83,7 @@ def _head_grad_kernel(
         tl.store(ptr + c, g.to(G.dtype.element_ty), mask=inside)
 
 
+@on_input_device
 def head_grad(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -18,7 +18,12 @@ import triton.language as tl
 
 from rlmath.engine.torch_backend.head_forward import head_stats as torch_head_stats
 from rlmath.engine.triton_backend.head_blocks import logits_block, masked_hidden, spans
-from rlmath.engine.triton_backend.launch import as_u8, block_config, temperature_args
+from rlmath.engine.triton_backend.launch import (
+    as_u8,
+    block_config,
+    on_input_device,
+    temperature_args,
+)
 from rlmath.engine.triton_backend.row_math import inv_temperature, row_stats
 
 __all__ = ["head_stats"]
@@ -77,6 +82,7 @@ def _head_stats_kernel(
         tl.store(Z_LAB + row * K + k, z, mask=inside)
 
 
+@on_input_device
 def head_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -14,7 +14,12 @@ import triton
 import triton.language as tl
 
 from rlmath.engine.torch_backend.kl_backward import kl_grad as torch_kl_grad
-from rlmath.engine.triton_backend.launch import block_config, row_layout, temperature_args
+from rlmath.engine.triton_backend.launch import (
+    block_config,
+    on_input_device,
+    row_layout,
+    temperature_args,
+)
 from rlmath.engine.triton_backend.row_math import inv_temperature
 
 __all__ = ["kl_grad"]
@@ -87,6 +92,7 @@ def _kl_grad_kernel(
             tl.store(GZ + i * n_cols + c, gz.to(GZ.dtype.element_ty), mask=c < n_cols)
 
 
+@on_input_device
 def kl_grad(
     logits: torch.Tensor,
     ref_logits: torch.Tensor,

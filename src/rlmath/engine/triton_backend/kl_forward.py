@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 
 from rlmath.engine.torch_backend.kl_forward import kl_stats as torch_kl_stats
-from rlmath.engine.triton_backend.launch import block_config, row_layout, temperature_args
+from rlmath.engine.triton_backend.launch import (
+    block_config,
+    on_input_device,
+    row_layout,
+    temperature_args,
+)
 from rlmath.engine.triton_backend.row_math import inv_temperature
 
 __all__ = ["kl_stats"]
@@ -111,6 +116,7 @@ def _kl_stats_kernel(
     tl.store(LSE_R + i, tl.where(dead_r, float("-inf"), mr + log_sr))
 
 
+@on_input_device
 def kl_stats(
     logits: torch.Tensor,
     ref_logits: torch.Tensor,

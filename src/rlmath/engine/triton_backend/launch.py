@@ -9,6 +9,10 @@ batch it comes in.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
 
 __all__ = [
@@ -18,6 +22,7 @@ __all__ = [
     "as_u8",
     "block_config",
     "next_pow2",
+    "on_input_device",
     "row_layout",
     "temperature_args",
 ]
@@ -103,3 +108,25 @@ def temperature_args(
     if temperature is None or temperature == 1.0:
         return like, 1.0, TEMP_NONE
     return like, 1.0 / float(temperature), TEMP_SCALAR
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def on_input_device(fn: Callable[P, T]) -> Callable[P, T]:
+    """Run a pass with its first argument's CUDA device current.
+
+    Triton launches on the current device; a tensor on another GPU (``cuda:1``
+    while ``cuda:0`` is current) must not be read from the wrong one.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        first = args[0]
+        if isinstance(first, torch.Tensor) and first.device.type == "cuda":
+            with torch.cuda.device(first.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

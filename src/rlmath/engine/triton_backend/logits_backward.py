@@ -23,6 +23,7 @@ from rlmath.engine.torch_backend.logits_backward import logits_grad as torch_log
 from rlmath.engine.triton_backend.launch import (
     as_u8,
     block_config,
+    on_input_device,
     row_layout,
     temperature_args,
 )
@@ -167,6 +168,7 @@ def _logits_grad_kernel(
         tl.store(G + dst + c, g.to(G.dtype.element_ty), mask=c < n_write)
 
 
+@on_input_device
 def logits_grad(
     logits: torch.Tensor,
     row_index: torch.Tensor | None,

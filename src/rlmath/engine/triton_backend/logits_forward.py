@@ -17,6 +17,7 @@ import triton.language as tl
 from rlmath.engine.torch_backend.logits_forward import logits_stats as torch_logits_stats
 from rlmath.engine.triton_backend.launch import (
     block_config,
+    on_input_device,
     row_layout,
     temperature_args,
 )
@@ -72,6 +73,7 @@ def _logits_stats_kernel(
             tl.store(Z_OUT + i * K + k, z)
 
 
+@on_input_device
 def logits_stats(
     logits: torch.Tensor,
     row_index: torch.Tensor | None,

@@ -13,7 +13,12 @@ import triton
 import triton.language as tl
 
 from rlmath.engine.torch_backend.sum_pi_squared import pi_squared_stats as torch_pi_squared
-from rlmath.engine.triton_backend.launch import block_config, row_layout, temperature_args
+from rlmath.engine.triton_backend.launch import (
+    block_config,
+    on_input_device,
+    row_layout,
+    temperature_args,
+)
 from rlmath.engine.triton_backend.row_math import inv_temperature
 
 __all__ = ["pi_squared_stats"]
@@ -64,6 +69,7 @@ def _pi_squared_kernel(
     tl.store(U_OUT + i, tl.sum(u, 0))
 
 
+@on_input_device
 def pi_squared_stats(
     logits: torch.Tensor,
     temperature: torch.Tensor | float | None,
