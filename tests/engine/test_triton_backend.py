@@ -244,6 +244,33 @@ def test_rows_that_do_not_merge_and_broadcast_temperature():
     assert (leaf.grad[:, 0] == 0).all() and (leaf.grad[:, 6:] == 0).all()
 
 
+def test_transposed_logits_read_with_a_column_stride():
+    """``(V, N).T`` logits: rows of stride 1, columns of stride N (the KL too)."""
+    N, V = 24, 333
+    g = gen(40)
+    base = torch.randn(V, N, generator=g) * 2
+    r = torch.randn(V, N, generator=g).T
+    labels = torch.randint(0, V, (N,), generator=g)
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    leaf = base.clone().requires_grad_()
+    lp, ent = R.log_probs_and_entropy_from_logits(leaf.T, labels, backend="triton")
+    (lp * gl + ent * ge).sum().backward()
+    x = base.T.contiguous()
+    _check_lp_ent((lp, ent, leaf.grad.T), LogitsRef(x, labels, 1.0, gl, ge), "transposed")
+    kl = R.kl_from_logits(base.T, r, backend="triton")
+    ref = KLRef(x, r.contiguous(), 1.0, torch.ones(N))
+    check(kl, ref.kl, ref.tol, "KL of transposed logits")
+
+
+def test_column_offsets_that_overflow_int32_are_read_from_a_copy():
+    from rlmath.engine.triton_backend.launch import int32_columns
+
+    wide = torch.empty_strided((4, 3), (1, 2**30), device="meta")  # last column at 2^31
+    assert int32_columns(wide).is_contiguous()
+    fits = torch.empty_strided((4, 3), (1, 2**29), device="meta")
+    assert int32_columns(fits) is fits
+
+
 def test_deterministic_and_batch_invariant():
     """Two runs are bitwise equal, and a row's results do not depend on the rows around it."""
     N, V = 64, 600

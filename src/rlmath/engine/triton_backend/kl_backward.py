@@ -16,6 +16,7 @@ import triton.language as tl
 from rlmath.engine.torch_backend.kl_backward import kl_grad as torch_kl_grad
 from rlmath.engine.triton_backend.launch import (
     block_config,
+    int32_columns,
     on_input_device,
     row_layout,
     temperature_args,
@@ -124,6 +125,7 @@ def kl_grad(
     gr = make(ref_logits.shape, dtype=ref_logits.dtype, device=logits.device) if need_r else None
     if empty or (gz is None and gr is None):
         return gz, gr
+    logits, ref_logits = int32_columns(logits), int32_columns(ref_logits)
     lz, lr = row_layout(logits), row_layout(ref_logits)
     temp, inv_t, mode = temperature_args(temperature, kl)
     elem = max(logits.element_size(), ref_logits.element_size())

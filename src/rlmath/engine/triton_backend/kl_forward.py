@@ -21,6 +21,7 @@ import triton.language as tl
 from rlmath.engine.torch_backend.kl_forward import kl_stats as torch_kl_stats
 from rlmath.engine.triton_backend.launch import (
     block_config,
+    int32_columns,
     on_input_device,
     row_layout,
     temperature_args,
@@ -134,6 +135,7 @@ def kl_stats(
     if dtype != torch.float32:
         return torch_kl_stats(logits, ref_logits, temperature, real, chunk, dtype)
     dev = logits.device
+    logits, ref_logits = int32_columns(logits), int32_columns(ref_logits)
     lz, lr = row_layout(logits), row_layout(ref_logits)
     N = lz.rows
     kl = torch.zeros(N, dtype=dtype, device=dev)

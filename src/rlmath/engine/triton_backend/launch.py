@@ -21,6 +21,7 @@ __all__ = [
     "RowLayout",
     "as_u8",
     "block_config",
+    "int32_columns",
     "next_pow2",
     "on_input_device",
     "row_layout",
@@ -92,6 +93,17 @@ def row_layout(x: torch.Tensor) -> RowLayout:
             offsets = offsets + step.view(shape)
         return RowLayout(offsets.reshape(-1), 1, col, rows)
     return RowLayout(None, flat.stride(0), flat.stride(1), rows)
+
+
+def int32_columns(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where the offset of its last column overflows int32.
+
+    The kernels step along a row with 32-bit column offsets (the row's start is
+    64-bit); only a last-dim stride above 1 (a transposed view) can overflow them.
+    """
+    if x.dim() and x.stride(-1) > 1 and (x.shape[-1] - 1) * x.stride(-1) >= 2**31:
+        return x.contiguous()
+    return x
 
 
 def temperature_args(

@@ -23,6 +23,7 @@ from rlmath.engine.torch_backend.logits_backward import logits_grad as torch_log
 from rlmath.engine.triton_backend.launch import (
     as_u8,
     block_config,
+    int32_columns,
     on_input_device,
     row_layout,
     temperature_args,
@@ -213,6 +214,7 @@ def logits_grad(
     if M == 0 or real == 0:
         return grad
     lse = lse.contiguous()
+    source = int32_columns(logits)
     lab = labels.contiguous() if labels is not None else None
     K = lab.shape[-1] if lab is not None else 0
     temp, inv_t, mode = temperature_args(temperature, lse)
@@ -232,11 +234,11 @@ def logits_grad(
         nxt = torch.cat([nxt[1:], nxt.new_full((1,), M)])
         end = nxt.flip(0).cummin(0).values.flip(0)
         first = as_u8(first_b)
-        src, src_stride, col_stride = rows, logits.stride(0), logits.stride(1)
+        src, src_stride, col_stride = rows, source.stride(0), source.stride(1)
         dst, dst_stride = rows, grad.stride(0)
-        x_base, g_base = logits, grad
+        x_base, g_base = source, grad
     else:
-        view = logits.narrow(*narrow) if narrow is not None else logits
+        view = source.narrow(*narrow) if narrow is not None else source
         gview = grad.narrow(*narrow) if narrow is not None else grad
         src_lay, dst_lay = row_layout(view), row_layout(gview)
         src, src_stride, col_stride = src_lay.offsets, src_lay.stride, src_lay.col_stride

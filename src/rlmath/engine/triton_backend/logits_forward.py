@@ -17,6 +17,7 @@ import triton.language as tl
 from rlmath.engine.torch_backend.logits_forward import logits_stats as torch_logits_stats
 from rlmath.engine.triton_backend.launch import (
     block_config,
+    int32_columns,
     on_input_device,
     row_layout,
     temperature_args,
@@ -96,6 +97,7 @@ def logits_stats(
             logits, row_index, narrow, labels, temperature, want_entropy, real, chunk, dtype
         )
     dev = logits.device
+    logits = int32_columns(logits)
     off: torch.Tensor | None
     if row_index is not None:
         M = row_index.numel()

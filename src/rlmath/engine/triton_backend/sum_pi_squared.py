@@ -15,6 +15,7 @@ import triton.language as tl
 from rlmath.engine.torch_backend.sum_pi_squared import pi_squared_stats as torch_pi_squared
 from rlmath.engine.triton_backend.launch import (
     block_config,
+    int32_columns,
     on_input_device,
     row_layout,
     temperature_args,
@@ -84,6 +85,7 @@ def pi_squared_stats(
     if dtype != torch.float32:
         return torch_pi_squared(logits, temperature, real, chunk, dtype)
     dev = logits.device
+    logits = int32_columns(logits)
     lay = row_layout(logits)
     N = lay.rows
     m = torch.full((N,), float("-inf"), dtype=dtype, device=dev)
