@@ -19,7 +19,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_PY := $(DOCS_VENV)/bin/python
 DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
 
-.PHONY: demo test lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
+.PHONY: demo test test-triton lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,26 @@ demo: $(STAMP)
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The Triton backend's kernels through Triton's interpreter, on CPU tensors, in
+# their own environment (.venv-triton: the same torch, plus triton; a large wheel,
+# so it is not in the `test` extra). The constraints file keeps torch at 2.13.0.
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.rlmath-installed
+
+$(TRITON_STAMP): pyproject.toml
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	echo "torch==2.13.0" > $(TRITON_VENV)/constraints.txt
+	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRITON_VENV)/bin/python -m pip install -q -c $(TRITON_VENV)/constraints.txt triton pytest 'hypothesis>=6.80' numpy
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e '.[test,triton]'
+	touch $(TRITON_STAMP)
+
+test-triton: $(TRITON_STAMP)
+	$(TRITON_VENV)/bin/python -c "import triton"  # the tests would skip without it
+	TRITON_INTERPRET=1 $(TRITON_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/engine/test_triton_backend.py tests/engine/test_backends.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def _calls():
 
         return kernel
 
-    fields = [f.name for f in dataclasses.fields(Kernels)]
+    fields = [f.name for f in dataclasses.fields(Kernels) if f.name != "head_tiles"]
     return calls, Kernels(**{f: wrap(f) for f in fields})
 
 
@@ -139,3 +140,23 @@ def test_register_backend_checks_its_argument():
         backends.register_backend("torch")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Kernels"):
         backends.register_backend(Backend("x", kernels={}))  # type: ignore[arg-type]
+
+
+def test_triton_backend_without_triton_says_how_to_get_it(monkeypatch):
+    """Where the triton package does not import, the backend is unavailable and says why."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.delitem(sys.modules, "rlmath.engine.triton_backend", raising=False)
+    monkeypatch.setattr(backends, "_UNAVAILABLE", {})
+    monkeypatch.setattr(
+        backends, "_BACKENDS", {k: v for k, v in backends._BACKENDS.items() if k != "triton"}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'triton' is not available: the 'triton' backend needs the triton package",
+    ):
+        resolve_backend("triton", torch.randn(2))
+    assert resolve_backend("auto", torch.randn(2)) == "torch"
+    # The error names the way out.
+    with pytest.raises(ValueError, match=r"pip install 'rlmath\[triton\]'"):
+        log_probs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend="triton")

@@ -42,7 +42,12 @@ _OPTIONAL = {"triton": "rlmath.engine.triton_backend"}
 
 @dataclass(frozen=True)
 class Kernels:
-    """One callable per pass over the vocabulary (see :mod:`rlmath.engine.torch_backend`)."""
+    """One callable per pass over the vocabulary (see :mod:`rlmath.engine.torch_backend`).
+
+    ``head_tiles`` optionally replaces :func:`rlmath.engine.policy.auto_tile_sizes`
+    (same signature) as the rule that sizes the fused head's blocks for this
+    backend's ``head_stats`` and ``head_grad``.
+    """
 
     logits_stats: Callable[..., Any]
     logits_grad: Callable[..., Any]
@@ -51,6 +56,7 @@ class Kernels:
     head_stats: Callable[..., Any]
     head_grad: Callable[..., Any]
     pi_squared_stats: Callable[..., Any]
+    head_tiles: Callable[..., tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -337,7 +337,8 @@ def _head_setup(
     lab = _Labels(labels, cfg, real, weight.shape[0], group is None)
     batch = tuple(hidden.shape[:-1])
     temp = _row_temperature(temperature, cfg.temperature, batch, cdt, live=lab.live)
-    tiles = auto_tile_sizes(
+    tile_rule = get_kernels(cfg.backend).head_tiles or auto_tile_sizes
+    tiles = tile_rule(
         math.prod(batch),
         real,
         chunk_size=cfg.chunk_size,

@@ -1,0 +1,283 @@
+"""The backward pass over logits as one Triton kernel: one read of the logits, one write of the gradient.
+
+Each program recomputes ``p`` and ``ls`` of one row from the saved
+log-sum-exp and writes the row's gradient
+(:func:`~.row_math.grad_entries`), zeros on the padding columns past
+``real``; a dead row (an ignored position) reads nothing and gets exact
+zeros whatever its logits hold. Same signature and results as
+:func:`rlmath.engine.torch_backend.logits_backward.logits_grad`.
+
+Rows picked by ``row_index`` may repeat: the rows are sorted by destination
+on the device, and the first program of each run of equal indices sums the
+run's gradients in a fixed order before writing them, so the result is
+deterministic and needs no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlmath.engine.torch_backend.logits_backward import logits_grad as torch_logits_grad
+from rlmath.engine.triton_backend.launch import (
+    as_u8,
+    block_config,
+    int32_columns,
+    on_input_device,
+    row_layout,
+    temperature_args,
+)
+from rlmath.engine.triton_backend.row_math import grad_entries, inv_temperature
+
+__all__ = ["logits_grad"]
+
+
+@triton.jit
+def _member_grad(
+    x,
+    cols,
+    idx,
+    LSE,
+    ALPHA,
+    BETA,
+    W,
+    LAB,
+    K,
+    SIGN,
+    TEMP,
+    inv_t_scalar,
+    TEMP_MODE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_W: tl.constexpr,
+    LOGP_ONLY: tl.constexpr,
+    HAS_SIGN: tl.constexpr,
+):
+    inv_t = inv_temperature(TEMP, idx, inv_t_scalar, TEMP_MODE)
+    beta = 0.0
+    if HAS_BETA:
+        beta = tl.load(BETA + idx)
+    sign = -1.0
+    if HAS_SIGN:
+        sign = tl.load(SIGN + idx)
+    return grad_entries(
+        x,
+        cols,
+        tl.load(LSE + idx),
+        tl.load(ALPHA + idx),
+        beta,
+        inv_t,
+        LAB + idx * K,
+        W + idx * K,
+        sign,
+        K,
+        0,
+        TEMP_MODE,
+        HAS_BETA,
+        HAS_W,
+        LOGP_ONLY,
+    )
+
+
+@triton.jit
+def _logits_grad_kernel(
+    X,
+    SRC,
+    src_stride,
+    col_stride,
+    G,
+    DST,
+    dst_stride,
+    n_real,
+    n_cols,
+    LSE,
+    ALPHA,
+    BETA,
+    W,
+    LAB,
+    K,
+    SIGN,
+    TEMP,
+    inv_t_scalar,
+    DEAD,
+    ORDER,
+    FIRST,
+    END,
+    HAS_SRC: tl.constexpr,
+    HAS_DST: tl.constexpr,
+    GROUPED: tl.constexpr,
+    TEMP_MODE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_W: tl.constexpr,
+    LOGP_ONLY: tl.constexpr,
+    HAS_SIGN: tl.constexpr,
+    HAS_DEAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if GROUPED:
+        # Sorted position i; only the first of a run of equal rows writes.
+        row = tl.load(SRC + i).to(tl.int64)
+        head = tl.load(FIRST + i) != 0
+        end = tl.where(head, tl.load(END + i), i)
+        src = row * src_stride
+        dst = row * dst_stride
+        live = head
+        j_end = end
+    else:
+        if HAS_SRC:
+            src = tl.load(SRC + i).to(tl.int64) * src_stride
+        else:
+            src = i * src_stride
+        if HAS_DST:
+            dst = tl.load(DST + i).to(tl.int64) * dst_stride
+        else:
+            dst = i * dst_stride
+        live = i >= 0
+        if HAS_DEAD:
+            live = tl.load(DEAD + i) == 0
+    # A dead row reads nothing (an empty column range): its gradient is an exact 0
+    # whatever its logits hold. A repeated row other than its run's first writes nothing.
+    n_read = tl.where(live, n_real, 0)
+    n_write = n_cols
+    if GROUPED:
+        n_write = tl.where(live, n_cols, 0)
+    for start in range(0, n_cols, BLOCK):
+        c = start + cols
+        inside = c < n_real
+        x = tl.load(X + src + c * col_stride, mask=c < n_read, other=float("-inf"))
+        x = x.to(tl.float32)
+        if GROUPED:
+            g = tl.zeros([BLOCK], tl.float32)
+            for j in range(i, j_end):
+                idx = tl.load(ORDER + j).to(tl.int64)
+                gj = _member_grad(
+                    x, c, idx, LSE, ALPHA, BETA, W, LAB, K, SIGN, TEMP, inv_t_scalar,
+                    TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN,
+                )  # fmt: skip
+                if HAS_DEAD:
+                    gj = tl.where(tl.load(DEAD + idx) != 0, 0.0, gj)
+                g += gj
+        else:
+            g = _member_grad(
+                x, c, i, LSE, ALPHA, BETA, W, LAB, K, SIGN, TEMP, inv_t_scalar,
+                TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN,
+            )  # fmt: skip
+            g = tl.where(live, g, 0.0)
+        g = tl.where(inside, g, 0.0)
+        tl.store(G + dst + c, g.to(G.dtype.element_ty), mask=c < n_write)
+
+
+@on_input_device
+def logits_grad(
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    narrow: tuple[int, int, int] | None,
+    *,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor | None,
+    w: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    temperature: torch.Tensor | float | None,
+    dead: torch.Tensor | None,
+    logp_only: bool,
+    label_sign: torch.Tensor | None,
+    real: int,
+    chunk: int | None,
+) -> torch.Tensor:
+    """The gradient of the logits (their shape and dtype; zero on unused rows and padding columns).
+
+    Args as in :func:`rlmath.engine.torch_backend.logits_backward.logits_grad`;
+    ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass.
+    """
+    if lse.dtype != torch.float32:
+        return torch_logits_grad(
+            logits, row_index, narrow, lse=lse, alpha=alpha, beta=beta, w=w, labels=labels,
+            temperature=temperature, dead=dead, logp_only=logp_only, label_sign=label_sign,
+            real=real, chunk=chunk,
+        )  # fmt: skip
+    V = logits.shape[-1]
+    M = lse.shape[0]
+    grouped = row_index is not None
+    if grouped or M == 0 or real == 0:
+        # Rows that no index picks keep zeros.
+        grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+    else:
+        # The kernel writes every used row in full (zeros past `real`).
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        if narrow is not None:
+            dim, start, length = narrow
+            grad.narrow(dim, 0, start).zero_()
+            grad.narrow(dim, start + length, logits.shape[dim] - start - length).zero_()
+    if M == 0 or real == 0:
+        return grad
+    lse = lse.contiguous()
+    source = int32_columns(logits)
+    lab = labels.contiguous() if labels is not None else None
+    K = lab.shape[-1] if lab is not None else 0
+    temp, inv_t, mode = temperature_args(temperature, lse)
+    dummy = lse
+    order = first = end = dummy
+    src: torch.Tensor | None
+    dst: torch.Tensor | None
+    if grouped:
+        assert row_index is not None
+        order = torch.argsort(row_index, stable=True)
+        rows = row_index[order]
+        first_b = torch.ones(M, dtype=torch.bool, device=rows.device)
+        first_b[1:] = rows[1:] != rows[:-1]
+        pos = torch.arange(M, device=rows.device)
+        # end[i]: the start of the next run after position i (M after the last run).
+        nxt = torch.where(first_b, pos, M)
+        nxt = torch.cat([nxt[1:], nxt.new_full((1,), M)])
+        end = nxt.flip(0).cummin(0).values.flip(0)
+        first = as_u8(first_b)
+        src, src_stride, col_stride = rows, source.stride(0), source.stride(1)
+        dst, dst_stride = rows, grad.stride(0)
+        x_base, g_base = source, grad
+    else:
+        view = source.narrow(*narrow) if narrow is not None else source
+        gview = grad.narrow(*narrow) if narrow is not None else grad
+        src_lay, dst_lay = row_layout(view), row_layout(gview)
+        src, src_stride, col_stride = src_lay.offsets, src_lay.stride, src_lay.col_stride
+        dst, dst_stride = dst_lay.offsets, dst_lay.stride
+        x_base, g_base = view, gview  # the offsets count from the views' first elements
+    block, warps = block_config(V, logits.element_size())
+    _logits_grad_kernel[(M,)](
+        x_base,
+        src if src is not None else dummy,
+        src_stride,
+        col_stride,
+        g_base,
+        dst if dst is not None else dummy,
+        dst_stride,
+        real,
+        V,
+        lse,
+        alpha.contiguous(),
+        beta.contiguous() if beta is not None else dummy,
+        w.contiguous() if w is not None else dummy,
+        lab if lab is not None else dummy,
+        K,
+        label_sign.contiguous() if label_sign is not None else dummy,
+        temp,
+        inv_t,
+        as_u8(dead) if dead is not None else dummy,
+        order,
+        first,
+        end,
+        HAS_SRC=src is not None,
+        HAS_DST=dst is not None,
+        GROUPED=grouped,
+        TEMP_MODE=mode,
+        HAS_BETA=beta is not None,
+        HAS_W=w is not None,
+        LOGP_ONLY=bool(logp_only) and lab is not None,
+        HAS_SIGN=label_sign is not None,
+        HAS_DEAD=dead is not None,
+        BLOCK=block,
+        num_warps=warps,
+    )
+    return grad

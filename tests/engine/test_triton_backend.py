@@ -1,0 +1,605 @@
+"""The Triton backend through Triton's interpreter: every function on CPU tensors against fp64.
+
+``TRITON_INTERPRET=1`` makes Triton run the kernels in Python on CPU tensors
+(set here before the backend is first imported), so this file checks the
+kernels' math — values and gradients against fp64 references written from
+the definitions — on a machine without a GPU. Small fp32 shapes only (the
+interpreter is slow); the interpreter computes bf16 wrongly without an
+error, so half precision is tested on the GPU (``tests/test_cuda.py``).
+Skipped where ``triton`` does not import, and where a CUDA device is present
+without ``TRITON_INTERPRET=1`` (the compiled kernels are tested there). The
+last test compiles every kernel for the GPU with Triton's real compiler,
+which the interpreter never runs.
+
+Tolerances: :mod:`tests.engine.triton_reference`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install 'rlmath[triton]')", allow_module_level=True)
+if not os.environ.get("TRITON_INTERPRET") and torch.cuda.is_available():
+    pytest.skip(
+        "a CUDA device is present: the compiled kernels are tested in tests/test_cuda.py "
+        "(set TRITON_INTERPRET=1 to run the interpreter tests here)",
+        allow_module_level=True,
+    )
+os.environ["TRITON_INTERPRET"] = "1"  # before the backend's kernels are first defined
+
+import rlmath as R
+import rlmath.engine.backends as backends
+from rlmath.distributed import vocab_parallel as vp
+from rlmath.engine import LogProbsEntropyFunction, OpConfig, available_backends, resolve_backend
+from tests.engine.triton_reference import (
+    EPS,
+    KLRef,
+    LogitsRef,
+    check,
+    gen,
+    logits_with_hard_cases,
+    row_delta,
+)
+from tests.logprobs.logprobs_reference import log_softmax64
+
+IGNORE = -100
+
+# The interpreter evaluates in numpy the -inf - (-inf) and log(0) that the kernels
+# compute and then discard (masked lanes, rows without mass); numpy warns.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_backend():
+    """The interpreted backend for this module only: other modules' ``"auto"`` never sees it."""
+    saved = dict(backends._BACKENDS), dict(backends._UNAVAILABLE)
+    import rlmath.engine.triton_backend as tb
+
+    if not tb.INTERPRETED:
+        pytest.skip("the triton backend was imported before TRITON_INTERPRET=1 was set")
+    backends.register_backend(tb.TRITON_BACKEND)
+    yield tb
+    backends._BACKENDS.clear()
+    backends._BACKENDS.update(saved[0])
+    backends._UNAVAILABLE.clear()
+    backends._UNAVAILABLE.update(saved[1])
+
+
+@pytest.fixture(params=["one block", "many blocks"])
+def blocks(request, monkeypatch):
+    """The kernels' own block size, or 64 columns per step (loops of many steps per row)."""
+    from rlmath.engine.triton_backend import launch
+
+    if request.param == "many blocks":
+        monkeypatch.setattr(launch, "MAX_BLOCK_ELEMENTS", 64)
+    return request.param
+
+
+# ------------------------------------------------------------------ data and references
+
+
+def _run_lp_ent(x, labels, temp, gl, ge, *, backend="triton", **kw):
+    leaf = x.clone().requires_grad_()
+    lp, ent = R.log_probs_and_entropy_from_logits(
+        leaf, labels, temperature=temp, backend=backend, **kw
+    )
+    (lp * gl.view(lp.shape)).sum().add((ent * ge).sum()).backward()
+    return lp, ent, leaf.grad
+
+
+# ------------------------------------------------------------------ registration
+
+
+def test_backend_is_registered_for_fp32_cpu_under_the_interpreter():
+    x = torch.randn(3, 5)
+    assert available_backends(x)[0] == "triton"
+    assert resolve_backend("auto", x) == "triton"
+    x64 = x.double()
+    assert available_backends(x64) == ["torch"] and resolve_backend("auto", x64) == "torch"
+    with pytest.raises(ValueError, match="backend 'triton' does not accept torch.float64"):
+        R.log_probs_from_logits(x64, torch.zeros(3, dtype=torch.long), backend="triton")
+    # The interpreter rounds to bf16 wrongly: half precision stays with the torch backend here.
+    assert available_backends(x.bfloat16()) == ["torch"]
+    assert available_backends(x.half()) == ["torch"]
+
+
+def test_kernels_take_the_temperature_as_a_tensor_argument():
+    """A per-row temperature is a pointer argument and a scalar one a float: never a constexpr."""
+    from rlmath.engine.triton_backend import (
+        kl_backward,
+        kl_forward,
+        logits_backward,
+        logits_forward,
+        sum_pi_squared,
+    )
+
+    kernels = [
+        logits_forward._logits_stats_kernel,
+        logits_backward._logits_grad_kernel,
+        kl_forward._kl_stats_kernel,
+        kl_backward._kl_grad_kernel,
+        sum_pi_squared._pi_squared_kernel,
+    ]
+    for k in kernels:
+        params = {p.name: p for p in k.fn.params} if hasattr(k.fn, "params") else None
+        names = list(k.arg_names)
+        assert "TEMP" in names and "inv_t_scalar" in names
+        if params is not None:
+            assert not params["TEMP"].is_constexpr and not params["inv_t_scalar"].is_constexpr
+
+
+# ------------------------------------------------------------------ log-probs and entropy
+
+
+def _check_lp_ent(got, ref: LogitsRef, what: str, live=None) -> None:
+    lp, ent, grad = got
+    rows = slice(None) if live is None else live
+    check(lp.reshape(ref.lp.shape)[rows], ref.lp[rows], ref.tol[rows, None], f"{what}: log-probs")
+    check(ent[rows], ref.H[rows], ref.tol[rows], f"{what}: entropy")
+    check(grad[rows], ref.grad[rows], ref.grad_tol[rows], f"{what}: gradient")
+
+
+@pytest.mark.parametrize("temp_kind", ["none", "scalar", "rows"])
+def test_log_probs_entropy_and_gradient_against_fp64(blocks, temp_kind):
+    N, V = 48, 700
+    x = logits_with_hard_cases(N, V, 1)
+    g = gen(2)
+    labels = torch.randint(2, V - 3, (N,), generator=g)
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    temp = {"none": 1.0, "scalar": 0.7, "rows": torch.rand(N, generator=g) + 0.5}[temp_kind]
+    x_before = x.clone()
+    got = _run_lp_ent(x, labels, temp, gl, ge)
+    assert torch.equal(x, x_before)  # no input modified
+    assert all(t.dtype == torch.float32 for t in got)
+    _check_lp_ent(got, LogitsRef(x, labels, temp, gl, ge), temp_kind)
+    grad = got[2]
+    assert (grad[:, V - 3 :] == 0).all() and (grad[:, 1] == 0).all()  # padded columns
+
+
+def test_log_probs_only_and_entropy_only(blocks):
+    N, V = 40, 513
+    x = logits_with_hard_cases(N, V, 3)
+    g = gen(4)
+    labels = torch.randint(2, V - 3, (N,), generator=g)
+    gl = torch.randn(N, generator=g)
+    leaf = x.clone().requires_grad_()
+    lp = R.log_probs_from_logits(leaf, labels, temperature=0.9, backend="triton")
+    (lp * gl).sum().backward()
+    ref = LogitsRef(x, labels, 0.9, gl, torch.zeros(N))
+    check(lp, ref.lp[:, 0], ref.tol, "log-probs")
+    check(leaf.grad, ref.grad, ref.grad_tol, "gradient of the log-probs")
+    leaf = x.clone().requires_grad_()
+    ent = R.entropy_from_logits(leaf, backend="triton")
+    ent.sum().backward()
+    ref = LogitsRef(x, labels, 1.0, torch.zeros(N), torch.ones(N))
+    check(ent, ref.H, ref.tol, "entropy")
+    check(leaf.grad, ref.grad, ref.grad_tol, "gradient of the entropy")
+
+
+def test_k_labels_with_repeats_and_ignored_candidates():
+    N, V, K = 32, 301, 3
+    x = logits_with_hard_cases(N, V, 5)
+    g = gen(6)
+    labels = torch.randint(2, V - 3, (N, K), generator=g)
+    labels[3, 2] = labels[3, 0]  # a repeated candidate counts twice
+    labels[7, 1] = IGNORE  # an ignored candidate in a live row
+    labels[9] = IGNORE  # a dead row, holding junk
+    x[9] = float("nan")
+    gl, ge = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    got = _run_lp_ent(x, labels, 0.8, gl, ge, ignore_index=IGNORE)
+    live = torch.ones(N, dtype=torch.bool)
+    live[9] = False
+    clean = torch.where(live[:, None], x, 0.0)
+    _check_lp_ent(got, LogitsRef(clean, labels, 0.8, gl, ge, ignore=IGNORE), "K=3", live)
+    lp, ent, grad = got
+    assert (lp[9] == 0).all() and ent[9] == 0 and (grad[9] == 0).all()  # NaN never read
+    assert lp[7, 1] == 0
+
+
+def test_ignored_rows_give_exact_zeros_whatever_they_hold():
+    N, V = 24, 257
+    x = logits_with_hard_cases(N, V, 7)
+    g = gen(8)
+    labels = torch.randint(2, V - 3, (N,), generator=g)
+    dead = torch.zeros(N, dtype=torch.bool)
+    dead[[2, 5, 6, 23]] = True
+    labels[dead] = IGNORE
+    dirty = x.clone()
+    dirty[2], dirty[5], dirty[6], dirty[23] = float("nan"), float("inf"), 1e30, float("-inf")
+    temp = torch.rand(N, generator=g) + 0.5
+    dirty_temp = torch.where(dead, 0.0, temp)  # a 0 temperature on a padded position
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    clean = _run_lp_ent(x, labels, temp, gl, ge, ignore_index=IGNORE)
+    got = _run_lp_ent(dirty, labels, dirty_temp, gl, ge, ignore_index=IGNORE)
+    for a, b in zip(got, clean, strict=True):
+        assert torch.equal(a[~dead], b[~dead])
+        assert (a[dead] == 0).all()
+
+
+def test_rows_that_do_not_merge_and_broadcast_temperature():
+    """Positions 1..5 of each sequence: batch dims with no common stride, read through row offsets."""
+    B, S, V = 3, 10, 211
+    g = gen(9)
+    base = torch.randn(B, S, V, generator=g) * 2
+    labels = torch.randint(0, V, (B, 5), generator=g)
+    temp = torch.rand(B, 1, generator=g) + 0.5
+    gl, ge = torch.randn(B, 5, generator=g), torch.randn(B, 5, generator=g)
+    leaf = base.clone().requires_grad_()
+    lp, ent = R.log_probs_and_entropy_from_logits(
+        leaf[:, 1:6], labels, temperature=temp, backend="triton"
+    )
+    ((lp * gl).sum() + (ent * ge).sum()).backward()
+    x = base[:, 1:6].reshape(-1, V)
+    t = temp.expand(B, 5).reshape(-1)
+    ref = LogitsRef(x, labels.reshape(-1), t, gl.reshape(-1), ge.reshape(-1))
+    _check_lp_ent((lp.reshape(-1), ent.reshape(-1), leaf.grad[:, 1:6].reshape(-1, V)), ref, "rows")
+    assert (leaf.grad[:, 0] == 0).all() and (leaf.grad[:, 6:] == 0).all()
+
+
+def test_transposed_logits_read_with_a_column_stride():
+    """``(V, N).T`` logits: rows of stride 1, columns of stride N (the KL too)."""
+    N, V = 24, 333
+    g = gen(40)
+    base = torch.randn(V, N, generator=g) * 2
+    r = torch.randn(V, N, generator=g).T
+    labels = torch.randint(0, V, (N,), generator=g)
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    leaf = base.clone().requires_grad_()
+    lp, ent = R.log_probs_and_entropy_from_logits(leaf.T, labels, backend="triton")
+    (lp * gl + ent * ge).sum().backward()
+    x = base.T.contiguous()
+    _check_lp_ent((lp, ent, leaf.grad.T), LogitsRef(x, labels, 1.0, gl, ge), "transposed")
+    kl = R.kl_from_logits(base.T, r, backend="triton")
+    ref = KLRef(x, r.contiguous(), 1.0, torch.ones(N))
+    check(kl, ref.kl, ref.tol, "KL of transposed logits")
+
+
+def test_column_offsets_that_overflow_int32_are_read_from_a_copy():
+    from rlmath.engine.triton_backend.launch import int32_columns
+
+    wide = torch.empty_strided((4, 3), (1, 2**30), device="meta")  # last column at 2^31
+    assert int32_columns(wide).is_contiguous()
+    fits = torch.empty_strided((4, 3), (1, 2**29), device="meta")
+    assert int32_columns(fits) is fits
+
+
+def test_deterministic_and_batch_invariant():
+    """Two runs are bitwise equal, and a row's results do not depend on the rows around it."""
+    N, V = 64, 600
+    x = logits_with_hard_cases(N, V, 10)
+    labels = torch.randint(2, V - 3, (N,), generator=gen(11))
+    gl, ge = torch.ones(N), torch.full((N,), 0.5)
+    a = _run_lp_ent(x, labels, 0.9, gl, ge)
+    b = _run_lp_ent(x, labels, 0.9, gl, ge)
+    for u, w in zip(a, b, strict=True):
+        assert torch.equal(u, w)
+    for i in (0, 17, 63):
+        one = _run_lp_ent(x[i : i + 1], labels[i : i + 1], 0.9, gl[:1], ge[:1])
+        for u, w in zip(one, a, strict=True):
+            assert torch.equal(u[0], w[i])
+
+
+# ------------------------------------------------------------------ vocabulary shards
+
+
+def test_vocab_parallel_world_of_one_with_padding(blocks):
+    """``vocab_size`` marks the shard's last columns as padding: left out, zero gradient."""
+    N, V, real = 30, 400, 371
+    g = gen(12)
+    x = torch.randn(N, V, generator=g) * 3
+    x[:, real:] = 7.0  # padding values must not count
+    labels = torch.randint(0, real, (N,), generator=g)
+    labels[4] = IGNORE
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    leaf = x.clone().requires_grad_()
+    lp, ent = vp.vocab_parallel_log_probs_and_entropy(
+        leaf, labels, vocab_size=real, temperature=0.8, backend="triton"
+    )
+    (lp * gl + ent * ge).sum().backward()
+    ref = LogitsRef(x[:, :real], labels, 0.8, gl, ge, ignore=IGNORE)
+    _check_lp_ent((lp, ent, leaf.grad[:, :real]), ref, "shard with padding")
+    assert (leaf.grad[:, real:] == 0).all() and (leaf.grad[4] == 0).all()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_a_shard_that_holds_only_some_labels_matches_the_torch_backend(k, entropy):
+    """A shard starting at token 100: labels outside it are another shard's (not owned here)."""
+    N, V = 28, 300
+    g = gen(13)
+    x = torch.randn(N, V, generator=g) * 2
+    labels = torch.randint(0, 100 + 280, (N, k), generator=g)  # some below 100
+    labels[5] = IGNORE
+    gl, ge = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
+    out = {}
+    for be in ("torch", "triton"):
+        leaf = x.clone().requires_grad_()
+        if entropy:
+            lp, ent = vp.vocab_parallel_log_probs_and_entropy(
+                leaf, labels, vocab_start_index=100, vocab_size=380, backend=be
+            )
+            loss = (lp * gl).sum() + (ent * ge).sum()
+        else:
+            lp = vp.vocab_parallel_log_probs_from_logits(
+                leaf, labels, vocab_start_index=100, vocab_size=380, backend=be
+            )
+            ent, loss = lp, (lp * gl).sum()
+        loss.backward()
+        out[be] = (lp, ent, leaf.grad)
+    for a, b in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert (out["triton"][2][:, 280:] == 0).all()
+
+
+# ------------------------------------------------------------------ responses (narrow and packed rows)
+
+
+def test_dense_response_log_probs_and_gradient():
+    B, S, V, Rl = 3, 9, 157, 4
+    g = gen(14)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    logits = torch.randn(B, S, V, generator=g) * 2
+    temp = torch.rand(B, 1, generator=g) + 0.5
+    gl = torch.randn(B, Rl, generator=g)
+    leaf = logits.clone().requires_grad_()
+    lp = R.log_probs_from_logits_response(ids, leaf, Rl, temperature=temp, backend="triton")
+    (lp * gl).sum().backward()
+    rows = logits[:, S - Rl - 1 : S - 1].reshape(-1, V)
+    t = temp.expand(B, Rl).reshape(-1)
+    ref = LogitsRef(rows, ids[:, -Rl:].reshape(-1), t, gl.reshape(-1), torch.zeros(B * Rl))
+    check(lp.reshape(-1), ref.lp[:, 0], ref.tol, "response log-probs")
+    gsel = leaf.grad[:, S - Rl - 1 : S - 1].reshape(-1, V)
+    check(gsel, ref.grad, ref.grad_tol, "response gradient")
+    assert (leaf.grad[:, : S - Rl - 1] == 0).all() and (leaf.grad[:, -1] == 0).all()
+
+
+def test_packed_response_functions_match_dense():
+    B, S, V, Rl = 4, 10, 131, 4
+    g = gen(15)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, -2:] = 0  # right padding inside the response
+    mask[2, 5] = 0
+    logits = torch.randn(B, S, V, generator=g) * 2
+    packed = logits.reshape(B * S, V)[mask.bool().view(-1)]
+    idx = mask.view(-1).nonzero().squeeze(1)
+    temp = torch.rand(B, 1, generator=g) + 0.5
+    out = {}
+    for be in ("torch", "triton"):
+        leaf = packed.clone().requires_grad_()
+        a = R.log_probs_from_logits_response_rmpad(
+            ids, mask, leaf, Rl, temperature=temp, backend=be
+        )
+        b = R.log_probs_from_logits_all_rmpad(
+            ids.view(-1)[idx], leaf, idx, B, S, Rl, temperature=temp, backend=be
+        )
+        (a.sum() + 2 * b.sum()).backward()
+        out[be] = (a, b, leaf.grad)
+    for u, w in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(u, w, atol=1e-5, rtol=1e-5)
+
+
+def test_repeated_packed_rows_sum_their_gradients_deterministically():
+    """Rows picked twice (and dead picks of a live row) add up, as ``index_add`` would."""
+    V = 97
+    g = gen(16)
+    x = torch.randn(6, V, generator=g) * 2
+    rows = torch.tensor([3, 0, 3, 5, 3, 1, 0, 2])
+    labels = torch.randint(0, V, (8, 1), generator=g)
+    labels[6] = IGNORE  # a dead pick of row 0
+    x_dirty = x.clone()
+    x_dirty[4] = float("nan")  # a row nobody picks
+    grads = {}
+    for be in ("torch", "triton"):
+        cfg = OpConfig(backend=be, ignore_index=IGNORE, want_entropy=True)
+        leaf = x_dirty.clone().requires_grad_()
+        lp, ent, _ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, cfg)
+        w = torch.arange(1.0, 9.0)
+        ((lp[:, 0] * w).sum() + (ent * w.flip(0)).sum()).backward()
+        grads[be] = (lp, ent, leaf.grad)
+    for u, w in zip(grads["triton"], grads["torch"], strict=True):
+        torch.testing.assert_close(u, w, atol=2e-6, rtol=1e-5)
+    assert (grads["triton"][2][4] == 0).all()
+
+
+# ------------------------------------------------------------------ KL and Σ π²
+
+
+@pytest.mark.parametrize("temp_kind", ["scalar", "rows"])
+def test_kl_and_both_gradients_against_fp64(blocks, temp_kind):
+    N, V = 40, 600
+    g = gen(17)
+    z = torch.randn(N, V, generator=g) * 2
+    r = z + 0.3 * torch.randn(N, V, generator=g)  # close distributions: small KLs
+    r[:5] = torch.randn(5, V, generator=g) * 2  # and far ones
+    z[1] = -2000.0 - torch.rand(V, generator=g)  # all-negative rows
+    z[:, V - 4 :] = r[:, V - 4 :] = float("-inf")  # padded vocabulary in both
+    temp = 0.8 if temp_kind == "scalar" else torch.rand(N, generator=g) + 0.5
+    gk = torch.randn(N, generator=g)
+    zl, rl = z.clone().requires_grad_(), r.clone().requires_grad_()
+    kl = R.kl_from_logits(zl, rl, temperature=temp, backend="triton")
+    (kl * gk).sum().backward()
+    ref = KLRef(z, r, temp, gk)
+    check(kl, ref.kl, ref.tol, "KL")
+    check(zl.grad, ref.gz, ref.gz_tol, "KL gradient of the logits")
+    check(rl.grad, ref.gr, ref.gr_tol, "KL gradient of the reference logits")
+    assert (zl.grad[:, V - 4 :] == 0).all() and (rl.grad[:, V - 4 :] == 0).all()
+
+
+def test_kl_edge_cases_match_the_torch_backend():
+    """+inf where the policy has mass the reference lacks; NaN stays NaN; an fp64 reference."""
+    V = 50
+    g = gen(18)
+    z, r = torch.randn(5, V, generator=g), torch.randn(5, V, generator=g)
+    r[0, 3] = float("-inf")  # policy mass where the reference has none: +inf
+    r[1] = float("-inf")
+    z[2, 0] = float("nan")
+    z[3, :10] = r[3, :10] = float("-inf")  # both -inf: contributes 0
+    for be in ("torch", "triton"):
+        kl = R.kl_from_logits(z, r, backend=be)
+        assert kl[0] == float("inf") and kl[1] == float("inf") and torch.isnan(kl[2])
+        assert torch.isfinite(kl[3]) and torch.isfinite(kl[4])
+    torch.testing.assert_close(
+        R.kl_from_logits(z, r, backend="triton"), R.kl_from_logits(z, r, backend="torch"),
+        atol=1e-6, rtol=0, equal_nan=True,
+    )  # fmt: skip
+    # An fp64 reference makes the compute dtype fp64: the pure-torch pass runs, bitwise.
+    r64 = r.double()
+    assert torch.equal(
+        R.kl_from_logits(z[3:], r64[3:], backend="triton"),
+        R.kl_from_logits(z[3:], r64[3:], backend="torch"),
+    )
+
+
+def test_vocab_parallel_kl_world_of_one_with_padding():
+    N, V, real = 20, 256, 230
+    g = gen(19)
+    z, r = torch.randn(N, V, generator=g) * 2, torch.randn(N, V, generator=g) * 2
+    zl = z.clone().requires_grad_()
+    kl = vp.vocab_parallel_kl_from_logits(zl, r, vocab_size=real, backend="triton")
+    kl.sum().backward()
+    ref = KLRef(z[:, :real], r[:, :real], 1.0, torch.ones(N))
+    check(kl, ref.kl, ref.tol, "KL of a shard with padding")
+    check(zl.grad[:, :real], ref.gz, ref.gz_tol, "KL gradient of a shard with padding")
+    assert (zl.grad[:, real:] == 0).all()
+
+
+def test_sum_pi_squared_against_fp64(blocks):
+    N, V = 40, 500
+    x = logits_with_hard_cases(N, V, 20)
+    temp = torch.rand(N, generator=gen(21)) + 0.5
+    got = R.sum_pi_squared_from_logits(x, temperature=temp, backend="triton")
+    z = x.double() / temp.double()[:, None]
+    p = log_softmax64(z).exp()
+    want = (p * p).sum(-1)
+    # u / s²: relative errors of u and s (each within delta of the exponents) add up.
+    check(got, want, 4 * row_delta(z) * want, "Σ π²")
+    assert torch.equal(vp.vocab_parallel_sum_pi_squared(x, temperature=temp, backend="triton"), got)
+
+
+# ------------------------------------------------------------------ fused head
+
+
+def _head_data(N, H, V, seed):
+    g = gen(seed)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) / H**0.5 * 2
+    b = torch.randn(V, generator=g)
+    return h, w, b
+
+
+@pytest.mark.parametrize(
+    "chunk,vchunk", [(None, None), (32, 150)], ids=["one block", "row chunks x tiles"]
+)
+def test_fused_head_values_and_gradients_against_fp64(chunk, vchunk):
+    N, H, V = 96, 48, 611
+    h, w, b = _head_data(N, H, V, 22)
+    g = gen(23)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[[3, 40]] = IGNORE
+    h[3] = float("nan")  # an ignored position's hidden state is never read
+    temp = torch.rand(N, generator=g) + 0.5
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+    lp, ent = R.log_probs_and_entropy_from_hidden(
+        *leaves[:2], labels, bias=leaves[2], temperature=temp, chunk_size=chunk,
+        vocab_chunk_size=vchunk, backend="triton",
+    )  # fmt: skip
+    (lp * gl + ent * ge).sum().backward()
+    clean = torch.where(labels[:, None] != IGNORE, h, 0.0).double()
+    w64, b64 = w.double(), b.double()
+    x = clean @ w64.T + b64
+    # The fp32 matmul leaves each logit within H·eps·Σ_k|h_k·w_k| (+|b|) of x.
+    mm_err = H * EPS * ((clean.abs() @ w64.abs().T) + b64.abs()).amax(-1)
+    ref = LogitsRef(x, labels, temp, gl, ge, ignore=IGNORE, extra=2 * mm_err / temp.double())
+    check(lp, ref.lp[:, 0], ref.tol, "head log-probs")
+    check(ent, ref.H, ref.tol, "head entropy")
+    assert lp[3] == 0 and ent[3] == 0 and (leaves[0].grad[3] == 0).all()
+    # Each gradient is a sum of logit-gradient entries times h or w: their bounds,
+    # plus the rounding of a sum of V (or N) terms.
+    G, E = ref.grad, ref.grad_tol
+    gh = E @ w64.abs() + (V + 1) * EPS * (G.abs() @ w64.abs())
+    gw = E.T @ clean.abs() + (N + 1) * EPS * (G.abs().T @ clean.abs())
+    gb = E.sum(0) + (N + 1) * EPS * G.abs().sum(0)
+    check(leaves[0].grad, G @ w64, gh, "grad hidden")
+    check(leaves[1].grad, G.T @ clean, gw, "grad weight")
+    check(leaves[2].grad, G.sum(0), gb, "grad bias")
+
+
+def test_fused_head_matches_the_torch_backend_with_k_labels_and_padding():
+    """A vocabulary-parallel head in a world of one: padded weight rows, K labels, -inf bias."""
+    N, H, V, real = 64, 32, 520, 500
+    h, w, b = _head_data(N, H, V, 24)
+    b[7] = float("-inf")  # a masked token
+    g = gen(25)
+    labels = torch.randint(0, real, (N, 2), generator=g)
+    labels[labels == 7] = 8
+    labels[10] = IGNORE
+    labels[11, 1] = IGNORE
+    gl, ge = torch.randn(N, 2, generator=g), torch.randn(N, generator=g)
+    out = {}
+    for be in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+        lp, ent = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+            leaves[0], leaves[1], labels, bias_shard=leaves[2], vocab_size=real,
+            temperature=0.9, vocab_chunk_size=128, backend=be,
+        )  # fmt: skip
+        ((lp * gl).sum() + (ent * ge).sum()).backward()
+        out[be] = (lp, ent, *(t.grad for t in leaves))
+    for u, v in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(u, v, atol=2e-5, rtol=2e-5)
+    gw, gb = out["triton"][3], out["triton"][4]
+    assert (gw[real:] == 0).all() and (gb[real:] == 0).all() and torch.isfinite(gb).all()
+    assert gb[7] == 0
+
+
+def test_fused_head_is_deterministic_and_entropy_optional():
+    N, H, V = 40, 16, 300
+    h, w, _ = _head_data(N, H, V, 26)
+    labels = torch.randint(0, V, (N,), generator=gen(27))
+    runs = []
+    for _ in range(2):
+        hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = R.log_probs_and_entropy_from_hidden(
+            hl, wl, labels, vocab_chunk_size=64, backend="triton"
+        )
+        (lp.sum() + ent.sum()).backward()
+        runs.append((lp, ent, hl.grad, wl.grad))
+    for u, v in zip(*runs, strict=True):
+        assert torch.equal(u, v)
+    lp_only, none = R.log_probs_and_entropy_from_hidden(
+        h, w, labels, return_entropy=False, vocab_chunk_size=64, backend="triton"
+    )
+    assert none is None and torch.equal(lp_only, runs[0][0].detach())
+
+
+# ------------------------------------------------------------------ compilation for the GPU
+
+
+def test_every_kernel_compiles_for_hopper_and_ampere(tmp_path):
+    """The interpreter does not compile: lower every kernel with Triton's compiler for sm_90
+    and sm_80 (no GPU needed), in a process without ``TRITON_INTERPRET``."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.triton_compile_check", "90", "80"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, (
+        "\n".join(line for line in lines if line.startswith("FAIL"))[-4000:] or proc.stderr[-4000:]
+    )
+    assert sum(line.startswith("OK") for line in lines) >= 150
