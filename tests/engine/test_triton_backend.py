@@ -48,7 +48,7 @@ from tests.engine.triton_reference import (
     logits_with_hard_cases,
     row_delta,
 )
-from tests.logprobs.logprobs_reference import log_softmax64
+from tests.logprobs.reference import log_softmax64
 
 IGNORE = -100
 

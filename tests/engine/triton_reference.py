@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from tests.logprobs.logprobs_reference import log_softmax64
+from tests.logprobs.reference import log_softmax64
 
 EPS = 2.0**-24
 """fp32 unit roundoff."""
