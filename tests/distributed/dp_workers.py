@@ -121,3 +121,55 @@ def mixed_dtype_worker(dtypes: list[str]):
     dist.all_reduce(check)
     out["after"] = check.item()
     return out
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+
+def collective_count_worker():
+    """How many collectives each statistic issues (forward and backward counted apart).
+
+    Every torch.distributed collective the functions could call is wrapped
+    with a counter; the mask is fractional so that the weighted mean and the
+    valid-element std of ``distributed_mean_max_min_std`` are both exercised.
+    """
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(10 + r)
+    values = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    weights = torch.rand(5, 4, generator=g, dtype=torch.float64)
+    weights[weights < 0.3] = 0
+    counts = {"n": 0}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            counts["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def count(call):
+        counts["n"] = 0
+        result = call()
+        return counts["n"], result
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(fn))
+    try:
+        leaf = values.clone().requires_grad_()
+        out = {
+            "masked_sum": count(lambda: rd.masked_sum(values, weights))[0],
+            "masked_mean": count(lambda: rd.masked_mean(values, weights))[0],
+            "masked_var": count(lambda: rd.masked_var(values, weights))[0],
+            "masked_whiten": count(lambda: rd.masked_whiten(leaf, weights))[0],
+        }
+        n_mmms, mmms = count(lambda: rd.distributed_mean_max_min_std(values, mask=weights))
+        out["distributed_mean_max_min_std"] = n_mmms
+        whitened = rd.masked_whiten(leaf, weights)
+        out["masked_whiten_backward"] = count(lambda: whitened.sum().backward())[0]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    out["mmms"] = tuple(t.detach() for t in mmms)
+    out["values"], out["weights"] = values, weights
+    return out

@@ -9,7 +9,12 @@ import torch
 from rlmath import distributed as rd
 from rlmath.distributed import run_distributed
 
-from .dp_workers import dp_stats_worker, mixed_dtype_worker, single_process_expected
+from .dp_workers import (
+    collective_count_worker,
+    dp_stats_worker,
+    mixed_dtype_worker,
+    single_process_expected,
+)
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -96,3 +101,30 @@ def test_dtypes_with_the_same_statistics_dtype_work():
     means = [res["mean"] for res in results]
     assert all(kind == "ok" for kind, _ in means)
     torch.testing.assert_close(means[0][1], means[1][1], rtol=0, atol=0)
+
+
+def test_each_statistic_issues_the_fewest_collectives():
+    """The moments are computed once: 2 all-reduces for a sum or mean, 3 for a
+    variance, a whitening or the logging statistics (whose max and min travel
+    with the dtype check); backward of a whitening adds one sum per forward sum
+    that carries a gradient (the mean's and the squared deviations')."""
+    results = run_distributed(collective_count_worker, 2)
+    for out in results:
+        assert out["masked_sum"] == 2
+        assert out["masked_mean"] == 2
+        assert out["masked_var"] == 3
+        assert out["masked_whiten"] == 3
+        assert out["distributed_mean_max_min_std"] == 3
+        assert out["masked_whiten_backward"] == 2
+    values = torch.cat([out["values"] for out in results])
+    weights = torch.cat([out["weights"] for out in results])
+    valid = values[weights != 0]
+    expected = (
+        (values * weights).sum() / weights.sum(),
+        valid.max(),
+        valid.min(),
+        valid.std(),
+    )
+    for out in results:
+        for got, want in zip(out["mmms"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

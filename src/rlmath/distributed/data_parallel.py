@@ -10,11 +10,16 @@ are 0 like the single-process functions.
 
 Every rank must pass ``values`` that give the same statistics dtype (fp64
 for fp64 values, fp32 for every other dtype): each call first all-reduces
-two int64 codes of that dtype (the only extra collective; on a gloo or MPI
-group the codes are a CPU tensor, so this costs no device sync, while on an
-NCCL-only group reading them is one host sync per call) and raises the same
-``ValueError`` on every rank when they differ, where the sums themselves
-would crash gloo (SIGABRT) or corrupt NCCL's result.
+(MAX) the code of that dtype and its negation (on a gloo or MPI group a CPU
+tensor, so this costs no device sync, while on an NCCL-only group reading
+them is one host sync per call) and raises the same ``ValueError`` on every
+rank when they differ, where the sums themselves would crash gloo (SIGABRT)
+or corrupt NCCL's result.
+
+Collectives per call: ``masked_sum`` and ``masked_mean`` 2 (the check, then
+one all-reduce of every sum they need), ``masked_var`` and ``masked_whiten``
+3 (the second pass adds one), ``distributed_mean_max_min_std`` 3 (the max and
+min travel with the check).
 
 Gradients flow as in SyncBatchNorm: when each rank backpropagates its own
 share ``L_r`` of a total loss ``Σ_r L_r``, each rank receives the gradient of
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype, valid_mask
-from rlmath.distributed._collectives import ProcessGroup, all_reduce, global_sum, is_distributed
+from rlmath.distributed._collectives import ProcessGroup, global_sum, is_distributed
 
 __all__ = [
     "distributed_mean_max_min_std",
@@ -50,24 +55,36 @@ def _metadata_device(group: ProcessGroup | None, fallback: torch.device) -> torc
 
 
 def _check_same_dtype(
-    name: str, values: torch.Tensor, dtype: torch.dtype, group: ProcessGroup | None
-) -> None:
+    name: str,
+    values: torch.Tensor,
+    dtype: torch.dtype,
+    group: ProcessGroup | None,
+    extremes: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Raise the same ``ValueError`` on every rank unless all ranks compute in ``dtype``.
 
     Ranks that disagree would all-reduce buffers of different element sizes,
     which crashes gloo (SIGABRT) or corrupts NCCL's result. One all-reduce
-    (MAX) of two int64 codes, ``[c, −c]``, gives every rank the largest and
-    the smallest code; it cannot hang, since every rank makes it whatever
-    its dtype. Shapes are not exchanged: they may differ between ranks by
-    design, every collective here being on 0-d sums.
+    (MAX) of ``[c, −c]`` for the dtype's code ``c`` gives every rank the
+    largest and the smallest code; it cannot hang, since every rank makes it
+    whatever its dtype. Shapes are not exchanged: they may differ between
+    ranks by design, every collective here being on sums.
+
+    ``extremes`` (a local max and the negated local min, 0-d) ride in the
+    same MAX all-reduce, in fp64 on the values' device, which holds fp32 and
+    fp64 values exactly; the global (max, −min) are returned in ``dtype``.
     """
     if not is_distributed(group):
-        return
-    code = _RESULT_DTYPES.index(dtype)
-    codes = torch.tensor([code, -code], dtype=torch.int64)
-    codes = codes.to(_metadata_device(group, values.device))
-    dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
-    high, neg_low = codes.tolist()  # host read: a device sync only for a GPU-only backend
+        return extremes
+    code = float(_RESULT_DTYPES.index(dtype))
+    if extremes is None:
+        device = _metadata_device(group, values.device)
+        buffer = torch.tensor([code, -code], dtype=torch.float64, device=device)
+    else:
+        codes = torch.tensor([code, -code], dtype=torch.float64, device=values.device)
+        buffer = torch.cat([codes, torch.stack(extremes).to(torch.float64)])
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = buffer[:2].tolist()  # host read: a device sync only on a GPU-only group
     if high != -neg_low:
         raise ValueError(
             f"{name} must give the same statistics dtype on every rank of the group: some "
@@ -75,6 +92,9 @@ def _check_same_dtype(
             f"(float32 statistics); this rank passes {values.dtype}. Cast {name} to one "
             "dtype on every rank."
         )
+    if extremes is None:
+        return None
+    return buffer[2].to(dtype), buffer[3].to(dtype)
 
 
 def _prepare(
@@ -98,21 +118,21 @@ def _nonzero(n: torch.Tensor) -> torch.Tensor:
 def _global_mean(
     v: torch.Tensor, w: torch.Tensor, group: ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = all_reduce(w.sum(), "sum", group)
-    total = global_sum((v * w).sum(), group)
+    """Global (mean, count) of prepared values and weights: one all-reduce of both sums."""
+    total, n = global_sum(torch.stack([(v * w).sum(), w.sum()]), group).unbind()
     return total / _nonzero(n), n
 
 
 def _global_var(
     v: torch.Tensor, w: torch.Tensor, unbiased: bool, group: ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean and variance of prepared values and weights (two passes)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global (mean, variance, count) of prepared values and weights: two passes, two sums."""
     mean, n = _global_mean(v, w, group)
     centered = torch.where(w != 0, v - mean, 0)
     sq = global_sum((centered * centered * w).sum(), group)
     if not unbiased:
-        return mean, sq / _nonzero(n)
-    return mean, torch.where(n > 1, sq / _nonzero(n - 1), torch.zeros_like(sq))
+        return mean, sq / _nonzero(n), n
+    return mean, torch.where(n > 1, sq / _nonzero(n - 1), torch.zeros_like(sq)), n
 
 
 def masked_sum(
@@ -166,7 +186,7 @@ def masked_whiten(
     """
     eps = check_in_range("eps", eps, 0.0, None, low_inclusive=False)
     v, w = _prepare(values, mask, group)
-    mean, var = _global_var(v, w, True, group)
+    mean, var, _ = _global_var(v, w, True, group)
     whitened = (v - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -185,29 +205,46 @@ def distributed_mean_max_min_std(
     """Global (mean, max, min, unbiased std) of the valid elements, for logging.
 
     Same positional arguments as verl's function; ``mask`` (default: all valid)
-    and ``group`` are additions. Disabled statistics are ``None``. With no valid
-    element anywhere every statistic is 0 (verl divides by zero). Results are
+    and ``group`` are additions. Disabled statistics are ``None``. The mean is
+    weighted by a non-binary ``mask`` as in ``masked_mean``; max, min and std
+    are of the valid (nonzero-mask) elements. With no valid element anywhere
+    every statistic is 0 (verl divides by zero). Results are
     detached 0-d tensors (fp32, fp64 for fp64 input).
     Shape: ``local_tensor`` ``(*)``; ``mask`` ``(*)`` or None.
     """
     check_tensor("local_tensor", local_tensor, real=True)
     if mask is None:
         mask = torch.ones_like(local_tensor, dtype=torch.bool)
-    v, w = _prepare(local_tensor.detach(), mask, group, "local_tensor")
-    mean, n = _global_mean(v, w, group)
-    valid = w != 0
+    check_mask("mask", mask, "local_tensor", local_tensor)
+    dtype = result_dtype(local_tensor)
+    valid = valid_mask(mask)
+    values = local_tensor.detach().to(dtype)
+    v = torch.where(valid, values, 0)
+    w = torch.where(valid, mask.to(dtype), 0)
+    ones = valid.to(dtype)
+    if values.numel() == 0:  # amax/amin of an empty tensor raise
+        local_max = local_neg_min = values.new_tensor(float("-inf"))
+    else:
+        local_max = torch.where(valid, values, float("-inf")).amax()
+        local_neg_min = torch.where(valid, -values, float("-inf")).amax()
+    # Collective 1 (MAX): the dtype check carries the extremes.
+    extremes = _check_same_dtype(
+        "local_tensor", local_tensor, dtype, group, extremes=(local_max, local_neg_min)
+    )
+    assert extremes is not None
+    # Collective 2: the mask-weighted sums of the mean and the valid count and
+    # sum of the std, all at once.
+    sums = torch.stack([(v * w).sum(), w.sum(), v.sum(), ones.sum()])
+    weighted, weight, total, n = global_sum(sums, group).unbind()
+    mean = weighted / _nonzero(weight)
     any_valid = n > 0
-
-    def extreme(op: str, fill: float) -> torch.Tensor:
-        filled = torch.where(valid, v, fill)
-        if filled.numel() == 0:  # amax/amin of an empty tensor raise
-            local = v.new_tensor(fill)
-        else:
-            local = filled.amax() if op == "max" else filled.amin()
-        out = all_reduce(local, op, group)
-        return torch.where(any_valid, out, torch.zeros_like(out))
-
-    vmax = extreme("max", float("-inf")) if compute_max else None
-    vmin = extreme("min", float("inf")) if compute_min else None
-    std = _global_var(v, valid.to(v.dtype), True, group)[1].sqrt() if compute_std else None
+    zero = torch.zeros_like(mean)
+    vmax = torch.where(any_valid, extremes[0], zero) if compute_max else None
+    vmin = torch.where(any_valid, -extremes[1], zero) if compute_min else None
+    std = None
+    if compute_std:
+        # Collective 3: Σ(v − mean)² about the unweighted mean of the valid elements.
+        centered = torch.where(valid, v - total / _nonzero(n), 0)
+        sq = global_sum((centered * centered).sum(), group)
+        std = torch.where(n > 1, sq / _nonzero(n - 1), zero).sqrt()
     return mean, vmax, vmin, std
