@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +10,9 @@ from rlmath._validation import check_finite_scalar, check_in_range
 from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["compute_gpg_outcome_advantage"]
 
@@ -23,6 +26,8 @@ def compute_gpg_outcome_advantage(
     epsilon: float = 1e-6,
     f_norm: float = 1.0,
     alpha: float | None = None,
+    *,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``α · (s − mean_g) / F_norm``, with ``α = B / #{i : s_i ≠ 0}`` by default.
 
@@ -38,6 +43,11 @@ def compute_gpg_outcome_advantage(
         epsilon: Unused; kept for verl's signature.
         f_norm: ``F_norm``, a non-zero finite number.
         alpha: ``α``; None = ``B / max(1, #{s_i ≠ 0})`` (a 0-d tensor, no host sync).
+        group: ``torch.distributed`` process group over which the batch is
+            split (data parallel, each group of responses on one rank): the
+            default ``α`` counts ``B`` and the non-zero scores over all its
+            ranks, and every rank must call. ``None`` (default): this
+            process's batch only. A given ``alpha`` needs no communication.
 
     Returns:
         ``(advantages, returns)``: the same ``(B, T)`` tensor twice, fp32
@@ -51,8 +61,13 @@ def compute_gpg_outcome_advantage(
     assert x.ids is not None
     s = x.scores
     if alpha is None:
-        nonzero = torch.count_nonzero(s).clamp(min=1).to(s.dtype)
-        scale: torch.Tensor | float = s.shape[0] / nonzero
+        counts = torch.stack([s.new_tensor(s.shape[0]), torch.count_nonzero(s).to(s.dtype)])
+        if group is not None:
+            # Imported here: single-process callers never load torch.distributed code.
+            from rlmath.distributed._collectives import all_reduce
+
+            counts = all_reduce(counts, "sum", group)
+        scale: torch.Tensor | float = counts[0] / counts[1].clamp(min=1)
     else:
         scale = check_finite_scalar("alpha", alpha)
     scalar = scale * group_moments(s, x.ids).centered / norm
