@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,6 +151,7 @@ def test_triton_backend_without_triton_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.setitem(sys.modules, "triton.language", None)
     monkeypatch.delitem(sys.modules, "rlmath.engine.triton_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "rlmath.engine.triton_backend._requirement", raising=False)
     monkeypatch.setattr(backends, "_UNAVAILABLE", {})
     monkeypatch.setattr(
         backends, "_BACKENDS", {k: v for k, v in backends._BACKENDS.items() if k != "triton"}
@@ -160,3 +165,41 @@ def test_triton_backend_without_triton_says_how_to_get_it(monkeypatch):
     # The error names the way out.
     with pytest.raises(ValueError, match=r"pip install 'rlmath\[triton\]'"):
         log_probs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), backend="triton")
+
+
+def test_triton_older_than_the_tested_releases_is_unavailable(monkeypatch):
+    """A triton without the language features the kernels use (older than 3.4) is refused
+    with the installed and the needed version; "auto" falls back to the torch backend."""
+    _fake_triton(monkeypatch, "3.2.0")
+    monkeypatch.setattr(backends, "_UNAVAILABLE", {})
+    monkeypatch.setattr(
+        backends, "_BACKENDS", {k: v for k, v in backends._BACKENDS.items() if k != "triton"}
+    )
+    with pytest.raises(ValueError, match=r"needs triton >= 3\.4, but triton 3\.2\.0 is installed"):
+        resolve_backend("triton", torch.randn(2))
+    assert resolve_backend("auto", torch.randn(2)) == "torch"
+
+
+def _fake_triton(monkeypatch, version: str) -> None:
+    """Make ``import triton`` give a stand-in of ``version`` (no GPU compiler needed)."""
+    fake = types.ModuleType("triton")
+    fake.__version__ = version
+    monkeypatch.setitem(sys.modules, "triton", fake)
+    monkeypatch.setitem(sys.modules, "triton.language", types.ModuleType("triton.language"))
+    monkeypatch.delitem(sys.modules, "rlmath.engine.triton_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "rlmath.engine.triton_backend._requirement", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("3.4.0", (3, 4)), ("3.10.1", (3, 10)), ("3.5.0+git1a2b3c", (3, 5)), ("4.0.0rc1", (4, 0))],
+)
+def test_triton_release_parsing(monkeypatch, version, release):
+    """The version check alone, loaded from its file (the package would load the kernels)."""
+    _fake_triton(monkeypatch, version)
+    path = Path(backends.__file__).parent / "triton_backend" / "_requirement.py"
+    spec = importlib.util.spec_from_file_location("_triton_requirement_under_test", path)
+    assert spec is not None and spec.loader is not None
+    requirement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(requirement)  # does not raise: the version is new enough
+    assert requirement.release(version) == release

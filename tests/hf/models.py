@@ -41,6 +41,8 @@ MODELS = ["llama", "qwen2", "gemma2", "cohere", "granite", "phi"]
 def model(name: str, dtype=torch.float64, seed: int = 0, vocab: int | None = None, **kwargs):
     torch.manual_seed(seed)
     cfg = config(name, **({"vocab_size": vocab} if vocab else {}))
+    if name == "gemma2":  # transformers refuses SDPA for Gemma 2 on some torch versions
+        kwargs.setdefault("attn_implementation", "eager")
     m = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs).to(dtype)
     with torch.no_grad():  # random weights of a visible size (some inits are ~0)
         for p in m.parameters():

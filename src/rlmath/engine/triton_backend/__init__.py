@@ -24,19 +24,13 @@ from __future__ import annotations
 
 import os
 
-try:
-    import triton
-    import triton.language  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "the 'triton' backend needs the triton package, which is not importable here "
-        f"({exc}); install it with `pip install 'rlmath[triton]'` on a machine with a "
-        "CUDA GPU, or use backend='torch'"
-    ) from exc
-
 import torch
 
 from rlmath.engine.backends import Backend, Kernels, register_backend
+
+# Before the kernels: raises ImportError (the backend is then unavailable)
+# without a usable triton.
+from rlmath.engine.triton_backend._requirement import MIN_TRITON
 from rlmath.engine.triton_backend.head_backward import head_grad
 from rlmath.engine.triton_backend.head_blocks import head_tiles
 from rlmath.engine.triton_backend.head_forward import head_stats
@@ -46,7 +40,7 @@ from rlmath.engine.triton_backend.logits_backward import logits_grad
 from rlmath.engine.triton_backend.logits_forward import logits_stats
 from rlmath.engine.triton_backend.sum_pi_squared import pi_squared_stats
 
-__all__ = ["INTERPRETED", "TRITON_BACKEND", "TRITON_KERNELS", "supports"]
+__all__ = ["INTERPRETED", "MIN_TRITON", "TRITON_BACKEND", "TRITON_KERNELS", "supports"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
