@@ -8,6 +8,8 @@ transformers = __import__("pytest").importorskip(
     "transformers", reason="transformers is not installed (pip install 'rlmath[hf]')"
 )
 
+from tests.hf import attention  # noqa: E402  (after the skip above)
+
 VOCAB, HIDDEN = 61, 16
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
@@ -41,8 +43,8 @@ MODELS = ["llama", "qwen2", "gemma2", "cohere", "granite", "phi"]
 def model(name: str, dtype=torch.float64, seed: int = 0, vocab: int | None = None, **kwargs):
     torch.manual_seed(seed)
     cfg = config(name, **({"vocab_size": vocab} if vocab else {}))
-    if name == "gemma2":  # transformers refuses SDPA for Gemma 2 on some torch versions
-        kwargs.setdefault("attn_implementation", "eager")
+    if name == "gemma2":  # soft-capped attention: transformers refuses SDPA for it
+        kwargs.setdefault("attn_implementation", attention.REFERENCE)
     m = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs).to(dtype)
     with torch.no_grad():  # random weights of a visible size (some inits are ~0)
         for p in m.parameters():

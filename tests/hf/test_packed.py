@@ -1,9 +1,9 @@
 """The padding-free (packed) path equals the padded one.
 
 No CPU attention of ``transformers`` separates packed sequences, so the test
-registers one (``varlen_sdpa``: causal attention within each sequence of
-``cu_seq_lens_q``, the keyword flash-attention's varlen path reads) and
-declares it packing-capable.
+uses one (``tests.hf.attention.varlen_attention``: causal attention within
+each sequence of ``cu_seq_lens_q``, the keyword flash-attention's varlen path
+reads) and declares it packing-capable.
 """
 
 from __future__ import annotations
@@ -13,29 +13,16 @@ import torch
 
 import rlmath.hf as rhf
 from rlmath.hf import response_log_probs
-from tests.hf.models import batch, model, transformers
+from tests.hf.attention import VARLEN
+from tests.hf.models import batch, model
 
 R = 6
 
 
-def varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    cu = kwargs["cu_seq_lens_q"]
-    out = torch.empty_like(query)
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scaling
-        )
-    return out.transpose(1, 2).contiguous(), None
-
-
 @pytest.fixture
 def varlen(monkeypatch):
-    transformers.AttentionInterface.register("varlen_sdpa", varlen_sdpa)
-    monkeypatch.setattr(rhf.response, "PACKED_ATTENTION", rhf.PACKED_ATTENTION | {"varlen_sdpa"})
-    return "varlen_sdpa"
+    monkeypatch.setattr(rhf.response, "PACKED_ATTENTION", rhf.PACKED_ATTENTION | {VARLEN})
+    return VARLEN
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
