@@ -185,6 +185,25 @@ def reorder_atol(kwargs: dict[str, Any], u: float) -> float:
 # --------------------------------------------------------------------------- checks
 
 
+#: Oracle parameter names that differ from the estimators' (verl's) names.
+ORACLE_ALIASES = {"rewards": "token_level_rewards", "mask": "response_mask"}
+
+
+def check_oracle(fn: Callable[..., Any], oracle: Callable[..., Any], batch: Batch) -> None:
+    """The estimator equals its fp64 loop oracle on the shared batch (ids as a Python list)."""
+    kwargs = build_inputs(fn, batch)
+    args = {}
+    for name in inspect.signature(oracle).parameters:
+        source = ORACLE_ALIASES.get(name, name)
+        if source in kwargs:
+            args[name] = kwargs[source]
+    if "index" in args:
+        args["index"] = args["index"].tolist()
+    atol = reorder_atol(kwargs, U64)
+    for got, want in zip(call(fn, kwargs), oracle(**args)):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=atol)
+
+
 def check_contract(fn: Callable[..., Any], batch: Batch) -> None:
     """(B, T) outputs of fp64 for fp64 inputs, finite, exactly 0 where masked; inputs untouched."""
     kwargs = build_inputs(fn, batch)

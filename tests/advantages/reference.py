@@ -11,7 +11,8 @@ loop is :func:`compute_gae_advantage_return_reference` below.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -376,3 +377,24 @@ def compute_gae_advantage_return_reference(
     if whiten:
         advantages = masked_whiten(advantages, valid)
     return advantages, returns
+
+
+#: The fp64 oracle of every registered estimator, by registry name. The
+#: conformance matrix compares each registered estimator with its oracle on
+#: the shared batch, and fails for a registered name missing here.
+ORACLES: dict[str, Callable[..., Pair]] = {
+    "gae": compute_gae_advantage_return_reference,
+    "grpo": grpo_reference,
+    "grpo_vectorized": grpo_reference,
+    "grpo_passk": grpo_passk_reference,
+    "rloo": rloo_reference,
+    "rloo_vectorized": rloo_reference,
+    "opo": opo_reference,
+    "gpg": gpg_reference,
+    "reinforce_plus_plus": reinforce_plus_plus_reference,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_reference,
+    "remax": remax_reference,
+    "gdpo": gdpo_reference,
+    "optimal_token_baseline": optimal_token_baseline_reference,
+    "tir_optimal_token_baseline": partial(optimal_token_baseline_reference, multi_turn=True),
+}

@@ -15,6 +15,7 @@ import rlmath as R
 from rlmath.advantages import registry
 from rlmath.distributed import run_distributed
 from tests.advantages import conformance as C
+from tests.advantages.reference import ORACLES
 
 NAMES = R.list_advantage_estimators()
 CHECKS = {
@@ -34,6 +35,18 @@ def test_every_registered_estimator_has_inputs():
         f"no input builder for the required parameters {missing}: add one to "
         "INPUTS in tests/advantages/conformance.py"
     )
+
+
+def test_every_registered_estimator_has_an_fp64_oracle():
+    missing = sorted(set(NAMES) - set(ORACLES))
+    assert not missing, (
+        f"no fp64 oracle for {missing}: add one to ORACLES in tests/advantages/reference.py"
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_its_fp64_oracle(name):
+    C.check_oracle(R.get_advantage_estimator(name), ORACLES[name], C.make_batch())
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
@@ -138,3 +151,21 @@ def test_a_new_estimator_without_input_builders_is_reported():
         assert C.missing_inputs(R.get_advantage_estimator("test_needs_critic")) == ["critic_scores"]
     finally:
         registry._REGISTRY.pop("test_needs_critic", None)
+
+
+def test_oracle_check_fails_on_a_wrong_formula():
+    def biased_std(token_level_rewards, response_mask, index):  # population std instead
+        scores = torch.where(response_mask, token_level_rewards, 0).sum(-1)
+        ids = torch.as_tensor(index)
+        adv = torch.zeros_like(scores)
+        for g in ids.unique():
+            members = ids == g
+            s = scores[members]
+            if members.sum() > 1 and s.std() > 0:
+                adv[members] = (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
+        out = torch.where(response_mask, adv[:, None], 0)
+        return out, out
+
+    with pytest.raises(AssertionError):
+        C.check_oracle(biased_std, ORACLES["grpo"], C.make_batch())
+    C.check_oracle(_grpo, ORACLES["grpo"], C.make_batch())

@@ -58,6 +58,13 @@ def _selection_kwargs(name, old, logp, adv, mask, kw):
     return {}
 
 
+def test_every_registered_loss_has_an_fp64_reference():
+    missing = sorted(set(NAMES) - set(REFERENCES))
+    assert not missing, (
+        f"no fp64 reference for {missing}: add one to REFERENCES in tests/losses/reference.py"
+    )
+
+
 def test_registry_holds_verls_names_and_ours():
     assert VERL_NAMES <= set(NAMES)
     assert {"gspo_token", "gspo_seq", "reinforce"} <= set(NAMES)
