@@ -27,7 +27,10 @@ import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'rlmath[triton]')", allow_module_level=True)
+    pytest.skip(
+        "triton is not installed (pip install 'triton>=3.4', the triton extra)",
+        allow_module_level=True,
+    )
 if not os.environ.get("TRITON_INTERPRET") and torch.cuda.is_available():
     pytest.skip(
         "a CUDA device is present: the compiled kernels are tested in tests/test_cuda.py "

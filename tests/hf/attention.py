@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 transformers = __import__("pytest").importorskip(
-    "transformers", reason="transformers is not installed (pip install 'rlmath[hf]')"
+    "transformers", reason="transformers is not installed (pip install '.[hf]')"
 )
 from transformers.masking_utils import sdpa_mask  # noqa: E402  (after the skip above)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 transformers = __import__("pytest").importorskip(
-    "transformers", reason="transformers is not installed (pip install 'rlmath[hf]')"
+    "transformers", reason="transformers is not installed (pip install '.[hf]')"
 )
 
 from tests.hf import attention  # noqa: E402  (after the skip above)

@@ -192,7 +192,7 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             )
         except ImportError:
             print(
-                "matplotlib is not installed: no curves.png (pip install 'rlmath[demo]')",
+                "matplotlib is not installed: no curves.png (pip install matplotlib, or rlmath's demo extra)",
                 file=stream,
             )
         else:

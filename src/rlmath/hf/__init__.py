@@ -1,6 +1,6 @@
 """HuggingFace ``transformers`` models: response log-probs and entropy without the logits.
 
-Works on ``transformers`` models (``pip install 'rlmath[hf]'``) without
+Works on ``transformers`` models (rlmath's ``hf`` extra: ``pip install '.[hf]'``) without
 importing ``transformers`` itself: a model is used through its own methods
 (``get_output_embeddings()``, ``config``, ``forward``). See ``docs/hf.md``.
 """

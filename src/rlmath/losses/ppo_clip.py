@@ -75,8 +75,10 @@ def compute_policy_loss_vanilla(
             ``None`` disables dual clip.
         rollout_is_weights: optional detached per-token weights (``(B, T)``)
             multiplying the per-token loss, e.g. from :func:`rlmath.rollout_correction`.
-        global_num_tokens, global_num_seqs, dp_size, norm_length: forwarded to
-            :func:`rlmath.agg_loss` (exact data-parallel aggregation).
+        **aggregation: ``global_num_tokens``, ``global_num_seqs``, ``dp_size``,
+            ``norm_length`` (:class:`rlmath.AggregationKwargs`, or ``**info`` from
+            :func:`rlmath.global_batch_info`), forwarded to :func:`rlmath.agg_loss`
+            (exact data-parallel aggregation).
         log_ratio_clamp: the log-ratio is clamped to ±this before ``exp``.
 
     Returns:

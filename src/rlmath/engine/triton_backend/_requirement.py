@@ -13,7 +13,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "the 'triton' backend needs the triton package, which is not importable here "
-        f"({exc}); install it with `pip install 'rlmath[triton]'` on a machine with a "
+        f"({exc}); install it with `pip install 'triton>=3.4'` (rlmath's `triton` extra) on a machine with a "
         "CUDA GPU, or use backend='torch'"
     ) from exc
 
