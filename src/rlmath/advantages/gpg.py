@@ -64,9 +64,9 @@ def compute_gpg_outcome_advantage(
         counts = torch.stack([s.new_tensor(s.shape[0]), torch.count_nonzero(s).to(s.dtype)])
         if group is not None:
             # Imported here: single-process callers never load torch.distributed code.
-            from rlmath.distributed._collectives import all_reduce
+            import torch.distributed as dist
 
-            counts = all_reduce(counts, "sum", group)
+            dist.all_reduce(counts, group=group)  # counts is a fresh tensor: no input changes
         scale: torch.Tensor | float = counts[0] / counts[1].clamp(min=1)
     else:
         scale = check_finite_scalar("alpha", alpha)
