@@ -16,8 +16,11 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+# ``derandomize`` is explicit: Hypothesis itself derandomizes its defaults when it
+# detects a CI service, and ``default`` must stay random wherever it is chosen.
 settings.register_profile(
     "default",
+    derandomize=False,
     max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
