@@ -17,6 +17,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -97,11 +98,20 @@ def _entry(
         result = fn(*args)
         with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-        # Every rank tears the group down together: a rank still inside a collective
-        # (or its exit) while another destroys the group can hang or abort it.
+        # Every rank leaves together: a rank still inside a collective while
+        # another one exits would wait for it until the timeout.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The worker ends here, without destroying the group: in torch 2.6 the
+    # destructor of a gloo group can deadlock (it holds the GIL while joining a
+    # worker thread that is releasing a Python tensor of an earlier collective
+    # and waits for the GIL). The result is on disk and every collective has
+    # completed, so nothing is lost by skipping the interpreter's clean-up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(
@@ -143,17 +153,23 @@ def run_distributed(
         )
         assert context is not None
         deadline = None if seconds is None else time.monotonic() + seconds
-        # join() raises (after terminating the others) as soon as a worker fails.
-        while not context.join(timeout=None if deadline is None else 0.5):
-            if deadline is not None and time.monotonic() >= deadline:
-                running = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                _terminate(context.processes)
-                raise TimeoutError(
-                    f"run_distributed: rank(s) {running} of {world_size} still running after "
-                    f"timeout={seconds:g} s; every worker was terminated (a rank that never "
-                    "joins a collective hangs the others: check that every rank makes the "
-                    "same collective calls, or pass a larger timeout)"
-                )
+        try:
+            # join() raises (after terminating the others) as soon as a worker fails.
+            while not context.join(timeout=0.5):
+                if deadline is not None and time.monotonic() >= deadline:
+                    running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                    _terminate(context.processes)
+                    raise TimeoutError(
+                        f"run_distributed: rank(s) {running} of {world_size} still running "
+                        f"after timeout={seconds:g} s; every worker was terminated (a rank "
+                        "that never joins a collective hangs the others: check that every "
+                        "rank makes the same collective calls, or pass a larger timeout)"
+                    )
+        except KeyboardInterrupt:
+            # Ctrl-C reaches every worker too, each at a different point; ranks left
+            # waiting in a collective would never finish, so none is left behind.
+            _terminate(context.processes)
+            raise
         results = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
