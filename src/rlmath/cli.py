@@ -77,6 +77,7 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 MAX_WARMUP_STEPS = 100_000
 MAX_THREADS = 256
 MAX_DIGITS = 10
+MAX_NPROC = 64
 
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
@@ -206,6 +207,35 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         help=f"most digits in a prompt, in {_range(1, MAX_DIGITS)} (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from rlmath.demo.config import DTYPES
+
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=d.dtype,
+        help="parameters and computations; float64 makes runs comparable to 1e-9 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=_number(int, 1, MAX_NPROC),
+        default=1,
+        help=f"start this many processes on this machine, as torchrun --nproc-per-node does, "
+        f"in {_range(1, MAX_NPROC)}; the step's prompts are shared out over them "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the models with FSDP2 (fully_shard) instead of replicating them with DDP",
+    )
+    p.add_argument(
+        "--tp",
+        type=_number(int, 1, MAX_NPROC),
+        default=d.tp,
+        help="tensor-parallel ranks per data-parallel rank: the policy's LM head is split "
+        "over the vocabulary among them (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +305,11 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         clip_ratio=args.clip_ratio,
         entropy_coef=args.entropy_coef,
         temperature=args.temperature,
+        dtype=args.dtype,
+        fsdp=args.fsdp,
+        tp=args.tp,
     )
+    _check_processes(args, parser, cfg, device)
     n_rows = cfg.batch_size * (cfg.group_size if args.algo == "grpo" else 1)
     if n_rows > MAX_ROWS:
         parser.error(
@@ -287,16 +321,79 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
     return cfg
 
 
+def _check_processes(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, cfg, device
+) -> None:  # type: ignore[no-untyped-def]
+    """Layout errors (processes, --tp, --fsdp) before any work, on every rank alike."""
+    import torch
+
+    from rlmath.demo.parallel import LayoutError, check_layout, world_from_env
+    from rlmath.demo.task import Vocab
+
+    world = world_from_env()
+    if world is not None and args.nproc > 1:
+        parser.error(
+            "--nproc starts its own processes: under torchrun (WORLD_SIZE is set) leave it out"
+        )
+    if cfg.tp > 1 and cfg.model != "tiny":
+        parser.error(
+            f"--tp needs --model tiny (the {cfg.model} model ties its LM head to the embedding)"
+        )
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if cfg.fsdp and device.type == "cpu" and release < (2, 7):
+        parser.error(
+            f"--fsdp on CPU needs torch >= 2.7 (FSDP2 on gloo); this is {torch.__version__}"
+        )
+    try:
+        check_layout(
+            world_size=world if world is not None else args.nproc,
+            tp=cfg.tp,
+            batch_size=cfg.batch_size,
+            vocab_size=Vocab().size,
+            fsdp=cfg.fsdp,
+        )
+    except LayoutError as err:
+        parser.error(str(err))
+
+
+def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
+    """Run the demo in this process, in each torchrun process, or in ``--nproc`` new ones."""
+    import torch
+
+    from rlmath.demo.parallel import world_from_env
+    from rlmath.demo.runner import prepare_output, run_demo, run_demo_worker
+
+    backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
+    if world_from_env() is not None:
+        import torch.distributed as dist
+
+        from rlmath.distributed import init_from_env
+
+        init_from_env(backend)
+        try:
+            return run_demo(cfg)
+        finally:
+            dist.destroy_process_group()
+    if args.nproc > 1:
+        from rlmath.distributed import run_distributed
+
+        prepare_output(cfg)  # before starting anything
+        # No time limit: a run takes as long as it takes; a rank that fails
+        # ends the others.
+        return run_distributed(run_demo_worker, args.nproc, cfg, backend=backend, timeout=None)[0]
+    return run_demo(cfg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlmath`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
         cfg = _demo_config(args, parser)
-        from rlmath.demo.runner import DemoOutputError, run_demo
+        from rlmath.demo.runner import DemoOutputError
 
         try:
-            result = run_demo(cfg)
+            result = _run_demo(args, cfg)
         except DemoOutputError as err:
             # Raised before any work: the output folder is checked first.
             parser.error(f"--out: {err}")

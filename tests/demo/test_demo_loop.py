@@ -142,8 +142,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_metrics(tmp_path, monkeypat
         self.current_step = n
         return real_step(self, n)
 
-    def actor_loss(self, mb, out_log_prob, entropy):
-        loss, metrics = real_loss(self, mb, out_log_prob, entropy)
+    def actor_loss(self, mb, out_log_prob, entropy, info):
+        loss, metrics = real_loss(self, mb, out_log_prob, entropy, info)
         if self.current_step == 2:
             metrics["pg_loss"] = metrics["pg_loss"] * float("nan")
         return loss, metrics

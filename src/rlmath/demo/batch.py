@@ -7,7 +7,8 @@ responses right-padded to ``R`` tokens, and a sequence is their concatenation
     prompt (left-padded)        response (right-padded)
     <pad> <bos> 3 1 4 <sep>  |  1 3 4 <eos> <pad> <pad>
 
-``response_forward`` runs the transformer trunk on this padded batch, then
+``response_forward`` runs the transformer trunk on this padded batch (through
+:class:`ResponseModel`, the module data-parallel wrappers act on), then
 drops the padding with ``rlmath.unpad_input`` and applies the LM head and the
 value head to the packed ``[N, H]`` hidden states only. Log-probs of the
 response tokens come from ``rlmath.log_probs_from_logits_response_rmpad``
@@ -20,13 +21,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+from torch import nn
 
 import rlmath
 from rlmath.demo.model import DemoLM
+from rlmath.demo.vocab_parallel_head import VocabParallelLMHead
 
-__all__ = ["ResponseOutputs", "Rollout", "left_pad", "make_rollout", "response_forward"]
+__all__ = [
+    "ResponseModel",
+    "ResponseOutputs",
+    "Rollout",
+    "left_pad",
+    "make_rollout",
+    "response_forward",
+]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,15 +112,60 @@ def make_rollout(
 
 @dataclass
 class ResponseOutputs:
-    """Per-response-token outputs ``[B, R]`` (fp32); 0 where the response is padding."""
+    """Per-response-token outputs ``[B, R]`` (the model's dtype, at least fp32); 0 on padding."""
 
     log_prob: torch.Tensor
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
 
+class ResponseModel(nn.Module):
+    """The module a trainer calls (and DDP or FSDP2 wrap): sampling logits or response outputs.
+
+    Data-parallel wrappers act on ``forward`` only (DDP prepares its gradient
+    reduction there, FSDP2 gathers the sharded weights there), so everything
+    the trainer computes with the model goes through this one ``forward``.
+    """
+
+    def __init__(self, lm: DemoLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        with_log_prob: bool = True,
+        with_entropy: bool = False,
+        with_values: bool = False,
+    ) -> Any:
+        """Without ``response_mask``: logits ``[B, 1, V]`` of the last position (sampling).
+
+        With it: a dict of ``[B, R]`` tensors (``log_prob``, ``entropy``,
+        ``values``, as asked), see :func:`response_forward`.
+        """
+        if response_mask is None:
+            hidden = self.lm.hidden_states(input_ids, attention_mask, position_ids)
+            return self.lm.lm_head(hidden[:, -1:])
+        return _response_outputs(
+            self.lm,
+            input_ids,
+            attention_mask,
+            position_ids,
+            response_mask,
+            temperature=temperature,
+            with_log_prob=with_log_prob,
+            with_entropy=with_entropy,
+            with_values=with_values,
+        )
+
+
 def response_forward(
-    model: DemoLM,
+    model: nn.Module,
     batch: Rollout,
     *,
     temperature: float = 1.0,
@@ -119,41 +175,79 @@ def response_forward(
 ) -> ResponseOutputs:
     """Log-probs (and entropies, values) of the response tokens, via the packed path.
 
+    ``model`` is a :class:`ResponseModel`, possibly wrapped by DDP or FSDP2.
     ``log_prob[b, t]`` is ``log π(response[b, t] | prompt, response[b, :t])``
     at ``temperature``; ``entropy[b, t]`` is the entropy of that
     distribution; ``values[b, t]`` is the value head's estimate at the state
     *before* token ``t`` (the position whose hidden state predicts it).
     Gradients flow to the model unless the caller disables them.
     """
-    ids, mask = batch.input_ids, batch.attention_mask
+    out = model(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.response_mask,
+        temperature=temperature,
+        with_log_prob=with_log_prob,
+        with_entropy=with_entropy,
+        with_values=with_values,
+    )
+    return ResponseOutputs(**out)
+
+
+def _response_outputs(
+    model: DemoLM,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_log_prob: bool,
+    with_entropy: bool,
+    with_values: bool,
+) -> dict[str, torch.Tensor]:
     b, s = ids.shape
-    r = batch.response_length
-    hidden = model.hidden_states(ids, mask, batch.position_ids)  # [B, S, H]
+    r = response_mask.shape[1]
+    hidden = model.hidden_states(ids, mask, position_ids)  # [B, S, H]
     hidden_rmpad, indices, *_ = rlmath.unpad_input(hidden, mask)  # [N, H]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
 
     def to_response(packed: torch.Tensor) -> torch.Tensor:
         # Hidden state at position p scores token p + 1, so the response
         # tokens at [S - R, S) are scored by positions [S - R - 1, S - 1).
         return rlmath.pad_input(packed.unsqueeze(-1), indices, b, s)[:, s - r - 1 : s - 1, 0]
 
-    out = ResponseOutputs(log_prob=torch.zeros(b, r, device=ids.device))
-    if with_log_prob or with_entropy:
-        logits_rmpad = model.lm_head(hidden_rmpad)  # [N, V]
+    out: dict[str, torch.Tensor] = {"log_prob": torch.zeros(b, r, dtype=dtype, device=ids.device)}
+    head = model.lm_head
+    if (with_log_prob or with_entropy) and isinstance(head, VocabParallelLMHead):
+        # Labels of the packed positions: the next token of the same sequence
+        # (-100 where there is none); the logits are never formed.
+        valid = mask.bool()
+        nxt_valid = torch.zeros_like(valid)
+        nxt_valid[:, :-1] = valid[:, 1:]
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        labels = torch.where(nxt_valid, labels, -100).flatten()[indices]
+        log_prob, entropy = head.log_probs_and_entropy(
+            hidden_rmpad, labels, temperature=temperature, with_entropy=with_entropy
+        )
+        out["log_prob"] = to_response(log_prob)
+        if entropy is not None:
+            out["entropy"] = to_response(entropy)
+    elif with_log_prob or with_entropy:
+        logits_rmpad = head(hidden_rmpad)  # [N, V]
         if with_log_prob:
-            out.log_prob = rlmath.log_probs_from_logits_response_rmpad(
+            out["log_prob"] = rlmath.log_probs_from_logits_response_rmpad(
                 ids, mask, logits_rmpad, response_length=r, temperature=temperature
             )
         if with_entropy:
-            out.entropy = to_response(
+            out["entropy"] = to_response(
                 rlmath.entropy_from_logits(logits_rmpad, temperature=temperature)
             )
     if with_values:
         if model.value_head is None:
             raise ValueError("with_values=True needs a model with a value head")
-        out.values = to_response(model.value_head(hidden_rmpad).squeeze(-1).float())
-    response_valid = batch.response_mask.bool()
-    for name in ("log_prob", "entropy", "values"):
-        v = getattr(out, name)
-        if v is not None:
-            setattr(out, name, torch.where(response_valid, v, 0.0))
-    return out
+        out["values"] = to_response(model.value_head(hidden_rmpad).squeeze(-1).to(dtype))
+    response_valid = response_mask.bool()
+    return {name: torch.where(response_valid, v, 0.0) for name, v in out.items()}

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ALGOS", "ALGO_DEFAULTS", "DemoConfig"]
+__all__ = ["ALGOS", "ALGO_DEFAULTS", "DTYPES", "DemoConfig"]
 
 ALGOS = ("ppo", "grpo")
+DTYPES = ("float32", "float64")
 
 
 @dataclass
@@ -35,6 +36,13 @@ class DemoConfig:
     model: str = "tiny"
     threads: int | None = None  # None: 1
     progress: bool = True
+    #: Parameters and every computation: "float32", or "float64" (for exact comparisons).
+    dtype: str = "float32"
+
+    # Parallelism (see rlmath.demo.parallel): the processes themselves are
+    # started by torchrun or `rlmath demo --nproc N`.
+    fsdp: bool = False  # FSDP2 fully_shard instead of DDP
+    tp: int = 1  # tensor-parallel (vocabulary-parallel LM head) ranks per data-parallel rank
 
     # Task: sort strings of min_len..max_len distinct digits.
     min_len: int = 3

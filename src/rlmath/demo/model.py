@@ -92,7 +92,8 @@ class DemoLM(nn.Module):
         head = nn.Linear(self.cfg.d_model, 1)
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
-        self.value_head = head.to(next(self.parameters()).device)
+        p = next(self.parameters())
+        self.value_head = head.to(p.device, p.dtype)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, S, V]`` (padded layout; used by sampling)."""

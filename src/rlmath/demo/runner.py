@@ -1,7 +1,14 @@
-"""The demo's main loop: set up, warm up, train with a progress bar, write outputs."""
+"""The demo's main loop: set up, warm up, train with a progress bar, write outputs.
+
+The same loop runs in one process and in each process of a data-parallel
+(and tensor-parallel) run: :func:`run_demo` finds its place from the
+initialized process group (:func:`rlmath.demo.parallel.current_layout`);
+only rank 0 writes ``metrics.jsonl`` and ``curves.png`` and prints.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -11,18 +18,28 @@ from typing import TextIO
 
 import torch
 
+from rlmath.demo.batch import ResponseModel
 from rlmath.demo.config import DemoConfig
 from rlmath.demo.grpo import GRPOTrainer
 from rlmath.demo.metrics import MetricsWriter, NonFiniteError, Record, summary_table
 from rlmath.demo.model import ModelConfig, build_model
+from rlmath.demo.parallel import Layout, current_layout
 from rlmath.demo.plot import plot_curves
 from rlmath.demo.ppo import PPOTrainer
 from rlmath.demo.rollout import greedy_success_rate
 from rlmath.demo.task import SortTask, Vocab
 from rlmath.demo.trainer import Trainer
+from rlmath.demo.vocab_parallel_head import VocabParallelLMHead
 from rlmath.demo.warmup import supervised_warmup
 
-__all__ = ["OUTPUT_FILES", "DemoOutputError", "DemoResult", "prepare_output", "run_demo"]
+__all__ = [
+    "OUTPUT_FILES",
+    "DemoOutputError",
+    "DemoResult",
+    "prepare_output",
+    "run_demo",
+    "run_demo_worker",
+]
 
 #: What a run writes to its output folder.
 OUTPUT_FILES = ("metrics.jsonl", "curves.png")
@@ -53,8 +70,26 @@ def _setup(cfg: DemoConfig) -> torch.device:
     # on a busy machine they contend for cores.
     threads = cfg.threads or 1
     torch.set_num_threads(threads)
+    # The same seed on every rank: every rank builds the same initial model.
     torch.manual_seed(cfg.seed)
-    return torch.device(cfg.device)
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return device
+
+
+def _check_output(cfg: DemoConfig, layout: Layout) -> Path:
+    """:func:`prepare_output` on rank 0; its error, if any, raised on every rank."""
+    error = None
+    if layout.is_main:
+        try:
+            prepare_output(cfg)
+        except DemoOutputError as err:
+            error = str(err)
+    error = layout.broadcast(error)
+    if error is not None:
+        raise DemoOutputError(error)
+    return cfg.out_dir
 
 
 def prepare_output(cfg: DemoConfig) -> Path:
@@ -107,10 +142,12 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     stops training the same way, with ``DemoResult.diverged`` naming the step
     and the metric.
     """
-    stream = stream or sys.stdout
-    out_dir = prepare_output(cfg)
     t_start = time.perf_counter()
     device = _setup(cfg)
+    layout = current_layout(cfg.tp, device)
+    out_dir = _check_output(cfg, layout)
+    # Only rank 0 speaks.
+    stream = (stream or sys.stdout) if layout.is_main else io.StringIO()
     vocab = Vocab()
     task = SortTask(vocab, min_len=cfg.min_len, max_len=cfg.max_len)
     model_cfg = ModelConfig(
@@ -121,14 +158,24 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
         n_heads=cfg.n_heads,
         d_ff=4 * cfg.d_model,
     )
-    policy = build_model(cfg.model, model_cfg).to(device)
+    policy = build_model(cfg.model, model_cfg).to(device, getattr(torch, cfg.dtype))
     gen = torch.Generator().manual_seed(cfg.seed)
     print(
         f"rlmath demo: {cfg.algo.upper()} on 'sort {cfg.min_len}-{cfg.max_len} digits', "
         f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M-parameter {cfg.model} "
-        f"transformer, {vocab.size}-token vocabulary, device {device}, seed {cfg.seed}",
+        f"transformer, {vocab.size}-token vocabulary, device {device}, {cfg.dtype}, "
+        f"seed {cfg.seed}",
         file=stream,
     )
+    if layout.distributed:
+        print(
+            f"{layout.world_size} processes: {layout.dp} data-parallel "
+            f"({'FSDP2' if cfg.fsdp else 'DDP'}) x {layout.tp} tensor-parallel; "
+            f"{cfg.batch_size // layout.dp} of {cfg.batch_size} prompts per rank and step",
+            file=stream,
+        )
+    # Every rank runs the same warm-up (same data, same seed), so every rank
+    # starts RL from the same weights without a broadcast.
     losses = supervised_warmup(
         policy,
         task,
@@ -142,8 +189,9 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     eval_gen = torch.Generator().manual_seed(cfg.seed + 100)
     result = DemoResult(out=out_dir)
     result.greedy_before = greedy_success_rate(
-        policy, task, n_prompts=256, generator=eval_gen, device=device
-    )
+        ResponseModel(policy), task, n_prompts=256, generator=eval_gen, device=device,
+        layout=layout,
+    )  # fmt: skip
     if losses:
         print(
             f"format warm-up: {len(losses)} supervised steps on {cfg.warmup_examples} prompts "
@@ -151,9 +199,15 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             f"{losses[-1]:.2f}; greedy success on fresh prompts {result.greedy_before:.2f}",
             file=stream,
         )
-    trainer: Trainer = (PPOTrainer if cfg.algo == "ppo" else GRPOTrainer)(cfg, policy, task, device)
-    writer = MetricsWriter(out_dir / "metrics.jsonl")
-    bar = _Progress(cfg, stream) if cfg.progress else None
+    if layout.tp > 1:
+        # Each tensor-parallel rank keeps its slice of the warmed-up head.
+        assert isinstance(policy.lm_head, torch.nn.Linear)
+        policy.lm_head = VocabParallelLMHead.from_linear(policy.lm_head, layout)
+    trainer: Trainer = (PPOTrainer if cfg.algo == "ppo" else GRPOTrainer)(
+        cfg, policy, task, device, layout
+    )
+    writer = MetricsWriter(out_dir / "metrics.jsonl" if layout.is_main else Path(os.devnull))
+    bar = _Progress(cfg, stream) if cfg.progress and layout.is_main else None
     try:
         for step in range(1, cfg.steps + 1):
             try:
@@ -181,9 +235,9 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
         )
     else:
         result.greedy_after = greedy_success_rate(
-            policy, task, n_prompts=256, generator=eval_gen, device=device
+            trainer.actor, task, n_prompts=256, generator=eval_gen, device=device, layout=layout
         )
-    if result.records:
+    if result.records and layout.is_main:
         try:
             plot_curves(
                 result.records,
@@ -200,6 +254,11 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
     result.seconds = time.perf_counter() - t_start
     _print_summary(cfg, result, stream)
     return result
+
+
+def run_demo_worker(cfg: DemoConfig) -> DemoResult:
+    """:func:`run_demo` in a process started by ``rlmath.distributed.run_distributed``."""
+    return run_demo(cfg)
 
 
 class _Progress:

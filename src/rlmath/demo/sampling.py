@@ -1,19 +1,67 @@
-"""Batched autoregressive sampling from the policy.
+"""Batched autoregressive sampling from the policy, with one random stream per sample.
 
 Sequences are at most a dozen tokens long, so each step simply re-runs the
 model on the whole prefix instead of keeping a KV cache: on CPU at this size
 the cost is Python overhead, not arithmetic, and recomputation keeps the
 model code free of cache plumbing.
+
+**Randomness that does not depend on the layout.** The token drawn at step
+``t`` of a sample is the inverse of its distribution's CDF at a uniform number
+``u[t]``, and a sample's uniforms come from its own generator, seeded from
+``(seed, RL step, global sample index)`` (:func:`sample_uniforms`). So a
+sample's tokens are the same whichever rank generates it and whatever else is
+in its batch: an N-process run draws the tokens the one-process run draws.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from rlmath.demo.metrics import NonFiniteError
 
-__all__ = ["generate"]
+__all__ = ["generate", "inverse_cdf_sample", "sample_seed", "sample_uniforms"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    # Steele, Lea & Flood 2014, "Fast splittable pseudorandom number generators":
+    # a bijective 64-bit mixer, so distinct inputs give unrelated outputs.
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The seed of sample ``index``'s generator at RL step ``step`` of a run seeded ``seed``."""
+    h = _splitmix64(seed)
+    h = _splitmix64(h ^ step)
+    return _splitmix64(h ^ index) >> 1  # torch seeds are < 2**63
+
+
+def sample_uniforms(seed: int, step: int, indices: Sequence[int], n: int) -> torch.Tensor:
+    """``[len(indices), n]`` fp64 uniforms in ``[0, 1)``: row ``i`` from sample ``indices[i]``'s stream."""
+    out = torch.empty(len(indices), n, dtype=torch.float64)
+    g = torch.Generator()
+    for row, index in enumerate(indices):
+        g.manual_seed(sample_seed(seed, step, int(index)))
+        out[row] = torch.rand(n, generator=g, dtype=torch.float64)
+    return out
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[B]``: the smallest ``k`` with ``Σ_{j<=k} p_j > u · Σ_j p_j``, per row.
+
+    ``probs`` ``[B, V]`` (non-negative, any float dtype; computed on in fp64),
+    ``u`` ``[B]`` in ``[0, 1)``. A token of probability 0 is never drawn.
+    """
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def _first_bad(x: torch.Tensor) -> float:
@@ -30,15 +78,23 @@ def generate(
     eos_id: int,
     pad_id: int,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    stop_early: bool = True,
 ) -> torch.Tensor:
     """Sample responses ``[B, max_new_tokens]`` (int64) to left-padded prompts.
 
     ``prompt_ids`` / ``prompt_mask``: ``[B, P]``, prompts left-padded (mask 0 on
     padding). Each row is sampled from ``softmax(logits / temperature)`` until
-    it emits ``eos_id``; later positions hold ``pad_id``. ``temperature == 0``
-    means greedy decoding. Sampling stops early once every row has finished.
+    it emits ``eos_id``; later positions hold ``pad_id``. Token ``t`` of row
+    ``b`` is drawn with ``uniforms[b, t]`` (``[B, max_new_tokens]``, see
+    :func:`sample_uniforms`); ``temperature == 0`` means greedy decoding (no
+    uniforms needed). With ``stop_early`` the loop ends once every row has
+    finished; a sharded model (FSDP2) needs the same number of forward passes
+    on every rank, so it passes ``stop_early=False``.
     """
+    expected = (prompt_ids.shape[0], max_new_tokens)
+    if temperature != 0 and (uniforms is None or tuple(uniforms.shape) != expected):
+        raise ValueError(f"sampling at temperature > 0 needs uniforms of shape {expected}")
     model_was_training = model.training
     model.eval()
     b = prompt_ids.shape[0]
@@ -47,19 +103,22 @@ def generate(
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        logits = model(ids, mask)[:, -1, :].float()
+        logits = model(ids, mask)[:, -1, :]
+        if logits.dtype != torch.float64:
+            logits = logits.float()
         if not bool(torch.isfinite(logits).all()):
-            # A diverged policy: multinomial would fail with an unclear message.
+            # A diverged policy: the sampler would draw garbage without saying why.
             raise NonFiniteError("policy logits (sampling)", _first_bad(logits))
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            assert uniforms is not None
+            probs = torch.softmax(logits.double() / temperature, dim=-1)
+            nxt = inverse_cdf_sample(probs, uniforms[:, t]).to(device)
         nxt = torch.where(finished, pad_id, nxt)
         out[:, t] = nxt
         finished = finished | (nxt == eos_id)
-        if bool(finished.all()):
+        if stop_early and bool(finished.all()):
             break
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, (~finished | (nxt == eos_id)).to(mask.dtype)[:, None]], dim=1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 import rlmath
-from rlmath.demo.batch import left_pad, make_rollout, response_forward
+from rlmath.demo.batch import ResponseModel, left_pad, make_rollout, response_forward
 from rlmath.demo.model import DemoLM
 from rlmath.demo.task import SortTask
 
@@ -56,6 +56,7 @@ def supervised_warmup(
     if steps <= 0:
         return []
     pool = task.sample_digits(examples, generator)
+    forward = ResponseModel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
@@ -76,7 +77,7 @@ def supervised_warmup(
             torch.tensor(rows, device=device),
             eos_id=vocab.eos_id,
         )
-        log_prob = response_forward(model, batch).log_prob
+        log_prob = response_forward(forward, batch).log_prob
         loss = -rlmath.masked_mean(log_prob, batch.response_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
