@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath.advantages._common import (
     as_unit_scalar,
     check_token_inputs,
@@ -34,6 +35,7 @@ __all__ = ["compute_gae_advantage_return"]
 
 @register_advantage_estimator("gae")
 @torch.no_grad()
+@threads_per_call
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,

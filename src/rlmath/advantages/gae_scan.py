@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple  # noqa: F401  (schema inference reads 
 import torch
 from torch.library import custom_op, register_vmap
 
+from rlmath._threads import limit_threads, threads_for
 from rlmath._validation import result_dtype
 from rlmath.advantages._common import ValidTokens
 from rlmath.advantages.scan import _reverse_scan
@@ -28,6 +29,14 @@ def gae_scan(
     scan writes into strided views of private buffers), with a ``vmap`` rule
     that folds vmapped dims into rows (every row is independent).
     """
+    # Hundreds of small ops: one thread for small inputs (see rlmath._threads).
+    with limit_threads(threads_for(rewards.numel(), rewards.device)):
+        return _gae_scan(rewards, values, valid, gamma, gamma_lam)
+
+
+def _gae_scan(
+    rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float, gamma_lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = result_dtype(rewards, values)
     # Pack each row's valid tokens to the left (masked entries never reach a
     # valid column), so the recursion below is a plain constant-coefficient

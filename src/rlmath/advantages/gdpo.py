@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range, check_tensor
 from rlmath.advantages._common import (
     broadcast_to_tokens,
@@ -30,6 +31,7 @@ __all__ = ["compute_gdpo_outcome_advantage"]
 
 @register_advantage_estimator("gdpo")
 @torch.no_grad()
+@threads_per_call
 def compute_gdpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_finite_scalar, check_in_range
 from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
 from rlmath.advantages.groups import group_moments
@@ -19,6 +20,7 @@ __all__ = ["compute_gpg_outcome_advantage"]
 
 @register_advantage_estimator("gpg")
 @torch.no_grad()
+@threads_per_call
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

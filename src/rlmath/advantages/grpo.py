@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
 from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
 from rlmath.advantages.groups import group_moments, segment_reduce, segment_sum
@@ -22,6 +23,7 @@ __all__ = ["compute_grpo_outcome_advantage", "compute_grpo_passk_outcome_advanta
 @register_advantage_estimator("grpo")
 @register_advantage_estimator("grpo_vectorized")
 @torch.no_grad()
+@threads_per_call
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -60,6 +62,7 @@ def compute_grpo_outcome_advantage(
 
 @register_advantage_estimator("grpo_passk")
 @torch.no_grad()
+@threads_per_call
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

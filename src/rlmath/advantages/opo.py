@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
 from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs, valid_counts
 from rlmath.advantages.groups import group_moments, segment_sum
@@ -19,6 +20,7 @@ __all__ = ["compute_opo_outcome_advantage"]
 
 @register_advantage_estimator("opo")
 @torch.no_grad()
+@threads_per_call
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range, result_dtype
 from rlmath.advantages._common import (
     ValidTokens,
@@ -63,6 +64,7 @@ _DOC_ARGS = """
 
 @register_advantage_estimator("optimal_token_baseline")
 @torch.no_grad()
+@threads_per_call
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -95,6 +97,7 @@ def compute_optimal_token_baseline_advantage(
 
 @register_advantage_estimator("tir_optimal_token_baseline")
 @torch.no_grad()
+@threads_per_call
 def compute_multi_turn_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
 from rlmath.advantages._common import (
     ValidTokens,
@@ -43,6 +44,7 @@ def discounted_returns(rewards: torch.Tensor, valid: torch.Tensor, gamma: float)
 
 @register_advantage_estimator("reinforce_plus_plus")
 @torch.no_grad()
+@threads_per_call
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -80,6 +82,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
+@threads_per_call
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

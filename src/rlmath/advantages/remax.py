@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath.advantages._common import check_token_inputs, outcome_inputs
 from rlmath.advantages.registry import register_advantage_estimator
 from rlmath.advantages.scan import _reverse_scan
@@ -13,6 +14,7 @@ __all__ = ["compute_remax_outcome_advantage"]
 
 @register_advantage_estimator("remax")
 @torch.no_grad()
+@threads_per_call
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     reward_baselines: torch.Tensor,

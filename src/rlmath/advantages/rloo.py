@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
 from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
 from rlmath.advantages.groups import group_moments
@@ -17,6 +18,7 @@ __all__ = ["compute_rloo_outcome_advantage"]
 @register_advantage_estimator("rloo")
 @register_advantage_estimator("rloo_vectorized")
 @torch.no_grad()
+@threads_per_call
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -17,12 +17,15 @@ when the engine sums it over a vocabulary-parallel group first).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlmath.engine import policy
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
 from rlmath.engine.torch_backend.head_blocks import HeadBlocks
 from rlmath.engine.torch_backend.logits_backward import chunk_grad
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["head_grad"]
 
@@ -104,20 +107,21 @@ def head_grad(
             # of its own; a transformed block is still needed by the chain rule.
             g = z if z.dtype == cdt and not blocks.transform else ws.get("g", c)
             w_in = torch.where(inside, w[r0:r1], 0.0) if w is not None else None
-            for a, b in blocks.slices(c, v0, v1):
-                chunk_grad(
-                    z[a:b],
-                    blocks.small,
-                    g[a:b],
-                    lse=lse_col[r0 + a : r0 + b],
-                    alpha=alpha[r0 + a : r0 + b],
-                    beta=beta[r0 + a : r0 + b] if beta is not None else None,
-                    w=w_in[a:b] if w_in is not None else None,
-                    labels=idx[a:b],
-                    temperature=temp.rows(r0 + a, r0 + b),
-                )
-                if blocks.transform:
-                    blocks.chain_rule(g[a:b], z[a:b])
+            slices = blocks.slices(c, v0, v1)
+            one_slice = functools.partial(
+                _slice_grad,
+                z=z,
+                g=g,
+                rows=slice(r0, r1),
+                lse=lse_col,
+                alpha=alpha,
+                beta=beta,
+                w=w_in,
+                labels=idx,
+                temp=temp,
+                blocks=blocks,
+            )
+            for_each_chunk(slices, one_slice, blocks.small_scratch, pass_workers(dev, len(slices)))
             if lowp:
                 _lowp_matmuls(
                     g,
@@ -187,3 +191,39 @@ def _lowp_matmuls(
             acc_w.copy_(part)
         else:
             acc_w.add_(part)
+
+
+def _slice_grad(
+    a: int,
+    b: int,
+    ws: TileWorkspace,
+    *,
+    z: torch.Tensor,
+    g: torch.Tensor,
+    rows: slice,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor | None,
+    w: torch.Tensor | None,
+    labels: torch.Tensor,
+    temp: TemperatureColumn,
+    blocks: HeadBlocks,
+) -> None:
+    """The gradient of rows ``[a, b)`` of the block ``z`` (pass rows ``rows``) into ``g``.
+
+    ``lse``, ``alpha``, ``beta`` are the whole pass's; ``w`` and ``labels`` the block's.
+    """
+    r = slice(rows.start + a, rows.start + b)
+    chunk_grad(
+        z[a:b],
+        ws,
+        g[a:b],
+        lse=lse[r],
+        alpha=alpha[r],
+        beta=beta[r] if beta is not None else None,
+        w=w[a:b] if w is not None else None,
+        labels=labels[a:b],
+        temperature=temp.rows(r.start, r.stop),
+    )
+    if blocks.transform:
+        blocks.chain_rule(g[a:b], z[a:b])

@@ -8,6 +8,8 @@ the elementwise passes over it run in row slices (on a CPU, L2-sized:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from rlmath.engine import policy
@@ -63,6 +65,11 @@ class HeadBlocks:
         # ...and slice-sized scratch for the elementwise passes.
         self.sub = elementwise_rows(c_max, w_max, hidden.device)
         self.small = TileWorkspace(self.sub, w_max, dtype, hidden.device)
+        # The slice scratch of every other thread that works on the slices
+        # (rlmath.engine.torch_backend.workers), made on first use.
+        self._w_max, self._dtype = w_max, dtype
+        self._small_of: dict[int, TileWorkspace] = {threading.get_ident(): self.small}
+        self._small_lock = threading.Lock()
         self.scale, self.softcap = scale, softcap
         self.transform = scale != 1.0 or softcap is not None
 
@@ -108,6 +115,17 @@ class HeadBlocks:
         """Row slices of a ``(c, v1 - v0)`` block for the elementwise passes."""
         self.small.width = v1 - v0
         return spans(c, self.sub)
+
+    def small_scratch(self) -> TileWorkspace:
+        """The calling thread's slice scratch, shaped for the current tile (see :meth:`slices`)."""
+        key = threading.get_ident()
+        with self._small_lock:
+            ws = self._small_of.get(key)
+            if ws is None:
+                ws = TileWorkspace(self.sub, self._w_max, self._dtype, self.hidden.device)
+                self._small_of[key] = ws
+        ws.width = self.small.width
+        return ws
 
     def tile_labels(self, r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index (c, K) into the tile, in-tile mask (c, K))`` of each row's labels."""

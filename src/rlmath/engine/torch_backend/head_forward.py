@@ -9,12 +9,15 @@ the tiles' statistics are merged per row
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlmath.engine.stats import merge_tile_stats
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
 from rlmath.engine.torch_backend.head_blocks import HeadBlocks
 from rlmath.engine.torch_backend.logits_forward import chunk_stats
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["head_stats"]
 
@@ -66,16 +69,11 @@ def head_stats(
             z = blocks.transformed(blocks.logits(h, v0, v1))
             idx, inside = blocks.tile_labels(r0, r1, v0, v1)
             z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
-            for a, b in blocks.slices(c, v0, v1):
-                cm, cs, ct = chunk_stats(
-                    z[a:b],
-                    blocks.small,
-                    temperature=temp.rows(r0 + a, r0 + b),
-                    entropy=want_entropy,
-                )
-                tm[a:b], ts[a:b] = cm, cs
-                if tt is not None and ct is not None:
-                    tt[a:b] = ct
+            slices = blocks.slices(c, v0, v1)
+            one_slice = functools.partial(
+                _slice_stats, z=z, r0=r0, temp=temp, entropy=want_entropy, out=(tm, ts, tt)
+            )
+            for_each_chunk(slices, one_slice, blocks.small_scratch, pass_workers(dev, len(slices)))
             stats = merge_tile_stats(stats, (tm, ts, tt))
         big[r0:r1], total_s[r0:r1] = stats[0], stats[1]
         if total_t is not None and stats[2] is not None:
@@ -84,3 +82,22 @@ def head_stats(
         # Upcast, then divide by T: the rounding of the shifted block buffer.
         z_label = z_label / temp.col
     return big, total_s, total_t, z_label
+
+
+def _slice_stats(
+    a: int,
+    b: int,
+    ws: TileWorkspace,
+    *,
+    z: torch.Tensor,
+    r0: int,
+    temp: TemperatureColumn,
+    entropy: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> None:
+    """:func:`chunk_stats` of rows ``[a, b)`` of the block ``z`` (block rows from ``r0``) into ``out``."""
+    cm, cs, ct = chunk_stats(z[a:b], ws, temperature=temp.rows(r0 + a, r0 + b), entropy=entropy)
+    tm, ts, tt = out
+    tm[a:b], ts[a:b] = cm, cs
+    if tt is not None and ct is not None:
+        tt[a:b] = ct

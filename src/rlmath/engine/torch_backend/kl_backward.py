@@ -13,6 +13,7 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_kl_grad", "kl_grad"]
 
@@ -102,10 +103,11 @@ def kl_grad(
     lay_z = RowBlocks(real_columns(logits, real))
     lay_r = RowBlocks(real_columns(ref_logits, real))
     temp = TemperatureColumn(temperature, cdt, dev)
-    ws = Workspace(min(chunk, N), real, cdt, dev)
     cols = [x.unsqueeze(-1) for x in (grad, lse_z, lse_r, kl)]
     layouts = [x for x in (lay_z, lay_r, dz, dr) if x is not None]
-    for a, b in chunk_ranges(N, chunk, *layouts):
+    ranges = list(chunk_ranges(N, chunk, *layouts))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
         chunk_kl_grad(
             lay_z.get(a, b),
             lay_r.get(a, b),
@@ -118,4 +120,11 @@ def kl_grad(
             out_r=dr.get(a, b) if dr is not None else None,
             temperature=temp.rows(a, b),
         )
+
+    for_each_chunk(
+        ranges,
+        one_chunk,
+        lambda: Workspace(min(chunk, N), real, cdt, dev),
+        pass_workers(dev, len(ranges)),
+    )
     return gz, gr

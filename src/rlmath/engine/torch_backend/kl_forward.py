@@ -15,6 +15,7 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_kl", "finish_kl", "kl_stats"]
 
@@ -96,8 +97,16 @@ def kl_stats(
         return finish_kl(*stats)
     chunk = chunk or auto_chunk_size(real, N, device=dev)
     temp = TemperatureColumn(temperature, dtype, dev)
-    ws = Workspace(min(chunk, N), real, dtype, dev)
-    for a, b in chunk_ranges(N, chunk, lay_z, lay_r):
+    ranges = list(chunk_ranges(N, chunk, lay_z, lay_r))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
         for out, x in zip(stats, chunk_kl(lay_z.get(a, b), lay_r.get(a, b), ws, temp.rows(a, b))):
             out[a:b] = x
+
+    for_each_chunk(
+        ranges,
+        one_chunk,
+        lambda: Workspace(min(chunk, N), real, dtype, dev),
+        pass_workers(dev, len(ranges)),
+    )
     return finish_kl(*stats)

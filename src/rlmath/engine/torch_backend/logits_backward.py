@@ -21,6 +21,7 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource, real_columns
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_grad", "logits_grad"]
 
@@ -145,7 +146,6 @@ def logits_grad(
         return grad
     chunk = chunk or auto_chunk_size(real, M, device=dev)
     temp = TemperatureColumn(temperature, cdt, dev)
-    ws = Workspace(min(chunk, M), real, cdt, dev)
     lse_col = lse.unsqueeze(-1)
     # On a CPU only the chunks holding ignored rows are masked (reading `dead` on
     # the host costs nothing there); elsewhere every chunk is, without a host read.
@@ -153,7 +153,9 @@ def logits_grad(
     dead_rows = None
     if dead is not None and policy.reads_host(dev):
         dead_rows = torch.nonzero(dead).flatten().tolist()
-    for a, b in src.ranges(chunk, *((dst,) if dst is not None else ())):
+    ranges = list(src.ranges(chunk, *((dst,) if dst is not None else ())))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
         out = dst.get(a, b) if dst is not None else ws.get("gi", b - a, dtype=logits.dtype)
         chunk_grad(
             src.rows(a, b, ws),
@@ -174,6 +176,11 @@ def logits_grad(
         if src.index is not None:
             assert row_index is not None
             real_columns(grad, real).index_add_(0, row_index[a:b], out)
+
+    # Rows may repeat in row_index: their sums must run in chunk order (the same
+    # result whatever the thread count), so an indexed pass runs on one worker.
+    workers = pass_workers(dev, len(ranges)) if src.index is None else 1
+    for_each_chunk(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, cdt, dev), workers)
     return grad
 
 

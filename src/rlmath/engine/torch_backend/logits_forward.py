@@ -17,6 +17,7 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_stats"]
 
@@ -124,14 +125,22 @@ def logits_stats(
         return m, s, t, z
     chunk = chunk or auto_chunk_size(real, M, device=dev)
     temp = TemperatureColumn(temperature, dtype, dev)
-    ws = Workspace(min(chunk, M), real, dtype, dev)
-    for a, b in src.ranges(chunk):
+    ranges = list(src.ranges(chunk))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
         cm, cs, ct = chunk_stats(
             src.rows(a, b, ws), ws, temperature=temp.rows(a, b), entropy=want_entropy
         )
         m[a:b], s[a:b] = cm, cs
         if t is not None and ct is not None:
             t[a:b] = ct
+
+    for_each_chunk(
+        ranges,
+        one_chunk,
+        lambda: Workspace(min(chunk, M), real, dtype, dev),
+        pass_workers(dev, len(ranges)),
+    )
     if labels is not None:
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)

@@ -8,6 +8,7 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["pi_squared_stats"]
 
@@ -29,12 +30,20 @@ def pi_squared_stats(
     chunk = chunk or auto_chunk_size(real, N, device=dev)
     lay = RowBlocks(real_columns(logits, real))
     temp = TemperatureColumn(temperature, dtype, dev)
-    ws = Workspace(min(chunk, N), real, dtype, dev)
-    for a, b in chunk_ranges(N, chunk, lay):
+    ranges = list(chunk_ranges(N, chunk, lay))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
         src, t = lay.get(a, b), temp.rows(a, b)
         cm = scaled_max(src, t, dtype)
         e = scaled_shift(src, t, torch.where(cm == float("-inf"), 0, cm), ws.get("y", b - a))
         e.exp_()
         m[a:b], s[a:b] = cm.squeeze(-1), row_sum(e)
         u[a:b] = row_sum(e.mul_(e))
+
+    for_each_chunk(
+        ranges,
+        one_chunk,
+        lambda: Workspace(min(chunk, N), real, dtype, dev),
+        pass_workers(dev, len(ranges)),
+    )
     return m, s, u

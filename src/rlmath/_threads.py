@@ -1,0 +1,116 @@
+"""How many intra-op threads one call uses on a CPU: decided once, set on the calling thread.
+
+torch runs every CPU op above a small size as an OpenMP parallel region, which
+ends in a barrier: the op is done when its slowest thread is. When another
+process keeps a core busy, one of those threads waits for the scheduler at
+every barrier, for up to a time slice (milliseconds), however little work the
+op holds. A call made of many small parallel ops then collapses: GAE on
+``(64, 4096)`` (about 350 ops, each a few microseconds of work) took 2.4 ms
+on a quiet 2-core machine and 15–210 ms with one core busy at torch's default
+of 2 threads, but 2.7 ms quiet and 3.5 ms busy with 1 thread. A call whose ops
+are large gains from the threads and loses little to a busy core.
+
+So a call decides once how many threads its CPU ops use
+(:func:`threads_for`) and runs them under :func:`limit_threads`. That never
+calls ``torch.set_num_threads`` (it is process-wide: it also changes the count
+that threads started later take), but sets the OpenMP thread count of the
+calling thread alone (``omp_set_num_threads`` acts on the calling thread's
+own setting, which torch reads for each op), for the duration of the call,
+and restores it. Calls from several Python threads at once do not affect
+each other, and the results do not depend on the thread count (every op
+computes the same values with any number of threads; the tests check it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["SERIAL_ELEMENTS", "limit_threads", "threads_for", "threads_per_call"]
+
+#: Largest per-op size (elements) for which a call runs on one thread: below
+#: it, an op's work per thread is smaller than what one wait for a busy core
+#: costs, and one thread is about as fast as two on a quiet machine too.
+SERIAL_ELEMENTS = 1 << 22
+
+
+@functools.cache
+def _openmp() -> Any:
+    """The OpenMP runtime torch runs its CPU ops on, or None (another backend, or not found)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        # torch loads its OpenMP runtime into the process: its symbols are visible.
+        lib = ctypes.CDLL(None)
+        get, set_ = lib.omp_get_max_threads, lib.omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, []
+    set_.restype, set_.argtypes = None, [ctypes.c_int]
+    return lib
+
+
+def threads_for(elements: int, device: torch.device) -> int:
+    """Intra-op threads for a call whose largest op handles ``elements`` values on ``device``.
+
+    One thread on a CPU below :data:`SERIAL_ELEMENTS`, else torch's thread
+    count (accelerators: not applicable, torch's count is returned).
+    """
+    if device.type == "cpu" and elements < SERIAL_ELEMENTS:
+        return 1
+    return torch.get_num_threads()
+
+
+@contextmanager
+def limit_threads(n: int) -> Iterator[None]:
+    """At most ``n`` intra-op threads for the CPU ops the calling thread runs inside the block.
+
+    Other threads, and this thread after the block, keep their count. Does
+    nothing when ``n`` is not below the current count, or when torch does not
+    run its CPU ops on OpenMP.
+    """
+    if torch.compiler.is_compiling():
+        # A compiled graph runs its own kernels: nothing to set while tracing.
+        yield
+        return
+    omp = _openmp()
+    # torch.get_num_threads() first sets up this thread's OpenMP count from
+    # torch's setting if nothing has yet; the value restored is then torch's.
+    current = torch.get_num_threads()
+    if omp is None or n >= current:
+        yield
+        return
+    omp.omp_set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        omp.omp_set_num_threads(current)
+
+
+def threads_per_call(fn: F) -> F:
+    """Run ``fn`` under :func:`limit_threads` with :func:`threads_for` of its largest tensor argument.
+
+    For functions made of many elementwise ops and reductions over one batch
+    (the advantage estimators): validation, statistics and scans all run on
+    the thread count decided once, at the call.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        largest = None
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and (largest is None or a.numel() > largest.numel()):
+                largest = a
+        if largest is None:
+            return fn(*args, **kwargs)
+        with limit_threads(threads_for(largest.numel(), largest.device)):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,133 @@
+"""The chunks of a CPU pass shared out over worker threads, one intra-op thread each.
+
+A pass over the logits is a loop over chunks of rows (1 MiB each on a CPU,
+for the cache), each chunk a handful of torch ops. Run as is, every one of
+those ops is an OpenMP parallel region of its own, ending in a barrier: for
+``(8192, 32000)`` logits some 5000 regions per pass, each holding tens of
+microseconds of work. When another process keeps a core busy, one thread of
+each region waits for the scheduler, up to a time slice, and the pass
+collapses (forward: 0.24 s quiet, 2.1 s with one core busy, at 2 threads).
+
+Here instead each of ``torch.get_num_threads()`` workers (the calling thread
+and threads of a shared pool) takes the next chunk whenever it is free and
+runs its ops on one thread (:func:`rlmath._threads.limit_threads`): one
+synchronization per pass, and a worker slowed by a busy core simply takes
+fewer chunks. Each chunk is computed by the same ops in the same order
+whichever worker takes it, so the results do not depend on the number of
+threads. torch releases the GIL inside its ops, so the workers compute in
+parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from rlmath._threads import limit_threads
+
+__all__ = ["for_each_chunk", "pass_workers"]
+
+W = TypeVar("W")
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    # A forked child (a DataLoader worker) has none of the parent's threads.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="rlmath-chunks"
+            )
+        return _pool
+
+
+def _dispatch_mode_active() -> bool:
+    return _get_current_dispatch_mode() is not None
+
+
+def pass_workers(device: torch.device, chunks: int) -> int:
+    """Workers for a pass of ``chunks`` chunks on ``device``: torch's thread count on a CPU."""
+    if device.type != "cpu" or chunks < 2:
+        return 1
+    return max(1, min(torch.get_num_threads(), chunks))
+
+
+def for_each_chunk(
+    ranges: Iterable[tuple[int, int]],
+    work: Callable[[int, int, W], None],
+    scratch: Callable[[], W],
+    workers: int,
+) -> None:
+    """``work(start, end, scratch_of_this_worker)`` for every range, on ``workers`` workers.
+
+    Each worker builds its own scratch (``scratch()``, e.g. a
+    :class:`~rlmath.engine.torch_backend.buffers.Workspace`) once and reuses it
+    for every range it takes. ``work`` must write only its own rows of shared
+    outputs. With one worker the ranges run in order on the calling thread,
+    as a plain loop. An exception in any worker stops the others after their
+    current range and is raised here.
+    """
+    if workers > 1 and _dispatch_mode_active():
+        # A TorchDispatchMode (a memory tracker, a tracer) lives on the calling
+        # thread only: the ops must run there for it to see them.
+        workers = 1
+    if workers <= 1:
+        buffers = scratch()
+        for a, b in ranges:
+            work(a, b, buffers)
+        return
+    todo = iter(ranges)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def worker() -> None:
+        buffers = scratch()
+        # Grad mode is per thread: the kernels run inside an operator, never
+        # recorded by autograd, on whichever thread takes the chunk.
+        with torch.no_grad(), limit_threads(1):
+            while not failed.is_set():
+                with lock:
+                    r = next(todo, None)
+                if r is None:
+                    return
+                try:
+                    work(r[0], r[1], buffers)
+                except BaseException:
+                    failed.set()
+                    raise
+
+    pool = _shared_pool()
+    helpers: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
+    # The calling thread works too: the pass finishes even when every pool
+    # thread is busy with other calls (their tasks then find nothing left).
+    error: BaseException | None = None
+    try:
+        worker()
+    except BaseException as e:
+        error = e
+    for f in helpers:
+        if f.cancel():
+            continue  # never started: the other workers took every range
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error

@@ -1,0 +1,216 @@
+"""CPU passes on worker threads and per-call thread counts: same results, no leaked settings.
+
+The vocabulary passes share their chunks out over ``torch.get_num_threads()``
+workers, each running its chunk on one intra-op thread; the advantage
+estimators run small inputs on one thread (``rlmath._threads``). Neither may
+change a result (bitwise, for any thread count and when called from several
+Python threads at once) or leave a thread count changed behind.
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import rlmath as R
+from rlmath._threads import limit_threads, threads_for
+from rlmath.engine.torch_backend.workers import for_each_chunk
+from tests.memory_tracker import MemoryTracker
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count inside a test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _logits(n=1500, v=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g, dtype=torch.float64).float() * 3
+    x[7, :] = float("-inf")  # a dead row
+    x[8, 5:] = float("-inf")  # a padded vocabulary
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[8] = 2
+    temp = torch.rand(n, generator=g) + 0.5
+    upstream = torch.randn(2, n, generator=g)
+    return x, labels, temp, upstream
+
+
+def assert_bitwise_equal(a, b):
+    # NaN where the math gives NaN (the all -inf row), in the same places.
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _values_and_grads(x, labels, temp, upstream, chunk=64):
+    leaf = x.detach().requires_grad_()
+    logp, ent = R.log_probs_and_entropy_from_logits(
+        leaf, labels, temperature=temp, chunk_size=chunk
+    )
+    torch.autograd.backward([logp, ent], [upstream[0], upstream[1]])
+    return logp.detach(), ent.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("chunk", [64, None])
+def test_log_probs_are_bitwise_equal_for_1_2_and_4_threads(threads, chunk, workers_used):
+    inputs = _logits()
+    results = []
+    for n in (1, 2, 4):
+        threads(n)
+        results.append(_values_and_grads(*inputs, chunk=chunk))
+    assert max(workers_used) == 4 and min(workers_used) == 1
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert_bitwise_equal(a, b)
+
+
+def test_calls_from_several_python_threads_match_serial_calls(threads):
+    threads(2)
+    inputs = [_logits(n=700, seed=s) for s in range(6)]
+    serial = [_values_and_grads(*i) for i in inputs]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        concurrent = list(pool.map(lambda i: _values_and_grads(*i), inputs))
+    for s, c in zip(serial, concurrent, strict=True):
+        for a, b in zip(s, c, strict=True):
+            assert_bitwise_equal(a, b)
+    assert torch.get_num_threads() == 2
+
+
+def test_gae_is_bitwise_equal_for_1_2_and_4_threads(threads):
+    g = torch.Generator().manual_seed(1)
+    r, v = torch.randn(2, 64, 4096, generator=g)
+    mask = torch.rand(64, 4096, generator=g) > 0.1
+    out = []
+    for n in (1, 2, 4):
+        threads(n)
+        out.append(R.compute_gae_advantage_return(r, v, mask, gamma=0.99, lam=0.95))
+    for adv, ret in out[1:]:
+        assert torch.equal(adv, out[0][0]) and torch.equal(ret, out[0][1])
+
+
+def test_a_call_leaves_the_thread_count_as_it_was(threads):
+    threads(2)
+    x, labels, temp, upstream = _logits(n=600)
+    _values_and_grads(x, labels, temp, upstream)
+    R.compute_gae_advantage_return(x[:, :50], x[:, 50:100], x[:, :50] > 0, gamma=1.0, lam=1.0)
+    R.compute_grpo_outcome_advantage(x[:8, :4], torch.ones(8, 4), torch.arange(8) // 4)
+    assert torch.get_num_threads() == 2
+
+
+def test_limit_threads_acts_on_the_calling_thread_only(threads):
+    threads(2)
+    inside, other = [], []
+    entered, checked = threading.Event(), threading.Event()
+
+    def elsewhere():
+        entered.wait(5)
+        other.append(torch.get_num_threads())
+        checked.set()
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    with limit_threads(1):
+        inside.append(torch.get_num_threads())
+        entered.set()
+        checked.wait(5)
+    t.join()
+    assert inside == [1] and other == [2]
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), limit_threads(1):
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+
+
+def test_limit_threads_never_raises_the_count(threads):
+    threads(1)
+    with limit_threads(4):
+        assert torch.get_num_threads() == 1
+
+
+def test_threads_for_small_and_large_calls(threads):
+    threads(2)
+    cpu = torch.device("cpu")
+    assert threads_for(64 * 4096, cpu) == 1
+    assert threads_for(1 << 24, cpu) == 2
+
+
+def test_for_each_chunk_runs_every_range_once_and_raises_a_workers_error():
+    ranges = [(i, i + 1) for i in range(200)]
+    seen = []
+    lock = threading.Lock()
+
+    def work(a, b, ws):
+        with lock:
+            seen.append(a)
+
+    for_each_chunk(ranges, work, dict, 3)
+    assert sorted(seen) == list(range(200))
+
+    def failing(a, b, ws):
+        if a == 57:
+            raise ValueError("chunk 57")
+
+    with pytest.raises(ValueError, match="chunk 57"):
+        for_each_chunk(ranges, failing, dict, 3)
+
+
+def test_a_dispatch_mode_keeps_the_chunks_on_the_calling_thread():
+    # A TorchDispatchMode (here the memory tracker) lives on one thread: the ops
+    # it must see cannot move to workers.
+    ids = set()
+
+    def work(a, b, ws):
+        ids.add(threading.get_ident())
+        torch.ones(4)
+
+    with MemoryTracker() as mem:
+        for_each_chunk([(i, i + 1) for i in range(50)], work, dict, 4)
+    assert ids == {threading.get_ident()}
+    assert len(mem.allocations) == 50
+
+
+@pytest.fixture
+def workers_used(monkeypatch):
+    """The worker count of every chunked pass run during the test."""
+    import rlmath.engine.torch_backend as tb
+
+    used = []
+    real = for_each_chunk
+
+    def spy(ranges, work, scratch, workers):
+        used.append(workers)
+        return real(ranges, work, scratch, workers)
+
+    for name in ("logits_forward", "logits_backward", "head_forward", "head_backward"):
+        monkeypatch.setattr(getattr(tb, name), "for_each_chunk", spy)
+    return used
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, workers_used):
+    import rlmath.engine.torch_backend.head_backward  # noqa: F401
+    import rlmath.engine.torch_backend.head_forward  # noqa: F401
+    from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+    g = torch.Generator().manual_seed(2)
+    # A 1200 x 1000 block is cut into slices of 262 rows (1 MiB of fp32 each).
+    h = torch.randn(1200, 32, generator=g)
+    w = torch.randn(1000, 32, generator=g) * 0.3
+    labels = torch.randint(0, 1000, (1200,), generator=g)
+    labels[3] = -100
+    up = torch.randn(2, 1200, generator=g)
+    results = []
+    for n in (1, 2, 4):
+        threads(n)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logp, ent = log_probs_and_entropy_from_hidden(
+            hh, ww, labels, softcap=softcap, chunk_size=1200, vocab_chunk_size=1000
+        )
+        torch.autograd.backward([logp, ent], [up[0], up[1]])
+        results.append((logp.detach(), ent.detach(), hh.grad, ww.grad))
+    assert max(workers_used) == 4 and min(workers_used) == 1
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert_bitwise_equal(a, b)
