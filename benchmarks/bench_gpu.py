@@ -31,19 +31,15 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 import rlmath as R
+from rlmath.bench.tables import LOGPROBS_HEADER, fused_header, print_header, print_rows
 from rlmath.engine import available_backends
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tables import LOGPROBS_HEADER, fused_header, print_header, print_rows
 
 Fn = Callable[..., tuple[torch.Tensor, ...]]
 

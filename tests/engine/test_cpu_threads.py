@@ -190,8 +190,6 @@ def workers_used(monkeypatch):
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, workers_used):
-    import rlmath.engine.torch_backend.head_backward  # noqa: F401
-    import rlmath.engine.torch_backend.head_forward  # noqa: F401
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)

@@ -1,0 +1,187 @@
+"""Benchmark: the fused LM head vs ``hidden @ weight.T`` followed by rlmath's log-probs + entropy.
+
+For each ``N×H×V`` shape and dtype it runs forward+backward of label
+log-probs and entropies (both outputs used, random upstream gradients; hidden
+and weight require grad, no bias) with:
+
+* ``unfused``: :func:`~rlmath.bench.baselines.unfused_head`, the path every
+  ratio is measured against (the ``(N, V)`` logits and their gradient exist);
+* ``rlmath fused``: :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`;
+* ``verl FusedLinearForPPO`` (``verl.utils.experimental.torch_functional``,
+  its default chunk of 512 tokens) when peers are on and it imports.
+
+Columns: median forward+backward time over the repeats (the implementations
+take turns run by run, in one process, so that load from other processes
+hits them alike) and its ratio to ``unfused``; the peak memory of one
+forward+backward beyond the inputs, their gradients, the outputs and, for
+half-precision weights, one fp32 buffer of the weight's shape, as a share of
+the fp32 ``(N, V)`` logits (:func:`rlmath.bench.memory.peak_bytes`, in a
+separate untimed run that also warms up); the largest error of the log-probs
+and entropies against fp64 math on the first 64 rows (fp64 matmul of the same
+input values).
+
+"extra peak MiB" is everything beyond the gradients and the outputs (the
+inputs exist before and are not counted); the percentage also leaves out the
+fp32 buffer of the weight's shape that the memory bound allows for bf16
+weights (for every implementation alike, whether it uses one or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+
+from rlmath.bench import baselines
+from rlmath.bench.memory import peak_bytes
+from rlmath.bench.setting import (
+    Setting,
+    check_repeats,
+    floating_dtype,
+    header,
+    interleaved,
+    release_memory,
+)
+from rlmath.bench.tables import fused_header, print_header, print_rows, significant
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+__all__ = ["DEFAULT_REPEATS", "FULL_SHAPES", "QUICK_SHAPES", "bench_case", "implementations", "run"]
+
+Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+FULL_SHAPES: tuple[tuple[int, int, int], ...] = ((8192, 1024, 32000), (4096, 2048, 151936))
+QUICK_SHAPES: tuple[tuple[int, int, int], ...] = ((512, 64, 32000), (256, 32, 151936))
+DTYPES = ("float32", "bfloat16")
+DEFAULT_REPEATS = 5
+ERROR_ROWS = 64
+
+
+def find_peers(enabled: bool) -> dict[str, Impl]:
+    """verl's ``FusedLinearForPPO`` where it imports (nothing if not ``enabled``)."""
+    if not enabled:
+        return {}
+    try:  # an optional peer, never a dependency: absent or broken reads the same here
+        from verl.utils.experimental.torch_functional import (  # type: ignore[import-not-found]
+            FusedLinearForPPO,
+        )
+    except Exception:
+        return {}
+    head: Impl = FusedLinearForPPO()  # an nn.Module: (hidden, weight, labels) -> (logp, H)
+    return {"verl FusedLinearForPPO": head}
+
+
+def _rlmath_fused(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lp, ent = log_probs_and_entropy_from_hidden(hidden, weight, labels)
+    assert ent is not None  # return_entropy=True, the default
+    return lp, ent
+
+
+def implementations(peers: dict[str, Impl]) -> dict[str, Impl]:
+    """The implementations of one case, the baseline first."""
+    return {"unfused": baselines.unfused_head, "rlmath fused": _rlmath_fused, **peers}
+
+
+def _forward_backward(
+    fn: Impl,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    grads: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """One forward+backward; returns what it leaves allocated: outputs and gradients."""
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    lp, ent = fn(h, w, labels)
+    torch.autograd.backward([lp, ent], [grads[0].to(lp.dtype), grads[1].to(ent.dtype)])
+    return [t for t in (lp.detach(), ent.detach(), h.grad, w.grad) if t is not None]
+
+
+def _errors(fn: Impl, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> str:
+    rows = min(ERROR_ROWS, hidden.shape[0])
+    h, lab = hidden[:rows], labels[:rows]
+    with torch.no_grad():
+        lp, ent = fn(h, weight, lab)
+        logp = torch.log_softmax(h.double() @ weight.double().T, -1)
+        ref_lp = logp.gather(-1, lab[:, None]).squeeze(-1)
+        ref_ent = -(logp.exp() * logp).sum(-1)
+    e_lp = float((lp.double() - ref_lp).abs().max())
+    e_ent = float((ent.double() - ref_ent).abs().max())
+    return f"{e_lp:.1e} / {e_ent:.1e}"
+
+
+def bench_case(
+    setting: Setting,
+    n: int,
+    h: int,
+    v: int,
+    dtype: torch.dtype,
+    repeats: int,
+    peers: dict[str, Impl],
+) -> list[list[str]]:
+    """The rows of one ``N×H×V`` shape and dtype."""
+    device = setting.device
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
+    weight = (torch.randn(v, h, generator=g) * h**-0.5 * 2).to(dtype).to(device)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
+    impls = implementations(peers)
+    peaks = {}
+    for name, fn in impls.items():  # also the warm-up
+        kept, peak = peak_bytes(
+            partial(_forward_backward, fn, hidden, weight, labels, grads), device
+        )
+        peaks[name] = peak - sum(t.numel() * t.element_size() for t in kept)
+        del kept
+        release_memory(device)
+    runs: dict[str, Callable[[], object]] = {
+        name: partial(_forward_backward, fn, hidden, weight, labels, grads)
+        for name, fn in impls.items()
+    }
+    times = interleaved(runs, device, repeats, warmup=False)
+    fp32_logits = 4 * n * v
+    # The memory bound also leaves out one fp32 buffer of the weight's shape for half weights.
+    allowance = 4 * weight.numel() if dtype in (torch.bfloat16, torch.float16) else 0
+    scale = 1e3 if device.type == "cuda" else 1.0  # ms on a GPU, s on a CPU
+    base = times["unfused"]
+    rows = []
+    for name, fn in impls.items():
+        rows.append(
+            [
+                f"{n}×{h}×{v}",
+                str(dtype).replace("torch.", ""),
+                name,
+                significant(times[name] * scale),
+                f"{times[name] / base:.2f}",
+                f"{peaks[name] / 2**20:.0f}",
+                f"{100 * (peaks[name] - allowance) / fp32_logits:.1f}%",
+                _errors(fn, hidden, weight, labels),
+            ]
+        )
+    return rows
+
+
+def run(
+    setting: Setting,
+    *,
+    quick: bool = False,
+    repeats: int | None = None,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+    dtypes: Sequence[str] = DTYPES,
+) -> None:
+    """Print the fused-head table: every shape × dtype (``shapes`` overrides ``quick``)."""
+    repeats = check_repeats(DEFAULT_REPEATS if repeats is None else repeats)
+    torch_dtypes = [floating_dtype(name) for name in dtypes]
+    if shapes is None:
+        shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    peers = find_peers(setting.peers)
+    print("### Fused LM head\n")
+    print(header(setting, repeats, peers=f"verl: {'yes' if peers else 'no'}") + "\n")
+    print_header(fused_header("ms" if setting.device.type == "cuda" else "s"))
+    for n, h, v in shapes:
+        for dtype in torch_dtypes:
+            print_rows(bench_case(setting, n, h, v, dtype, repeats, peers))
+            release_memory(setting.device)

@@ -1,0 +1,140 @@
+"""Tensor memory of an operation: a deterministic allocation tracker, and device peaks.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode``: every ATen op that runs
+while it is active (forward, and backward too, as autograd carries the mode
+to its engine) reports its outputs. An output whose storage is new (not the
+storage of an input, as for views and ``out=`` / in-place ops) is recorded
+as an :class:`Allocation`, added to the live byte count, and subtracted again
+when the storage is freed (a ``weakref.finalize`` on the storage: PyTorch
+keeps one Python object per live storage, so it fires when the memory is
+actually released). ``peak_bytes`` is the high-water mark of that count.
+
+Only tensors created while the tracker is active are counted; memory that a
+kernel allocates internally without returning it is invisible, and so is
+anything outside torch. That is what makes it deterministic: the numbers do
+not depend on the allocator, the machine or other processes. The benchmarks
+(``rlmath bench``) report it on CPU, and the test suite asserts memory
+bounds with it.
+
+:func:`peak_bytes` runs a call once and returns its peak: the tracker's on
+CPU, ``torch.cuda.max_memory_allocated`` on a CUDA device (the caching
+allocator's own count, in its block sizes; cheap enough to leave on).
+
+Usage::
+
+    with MemoryTracker() as mem:
+        mem.phase = "forward"
+        out = f(x)
+        mem.phase = "backward"
+        out.sum().backward()
+    big = mem.allocations_at_least(n_rows * vocab * 4, dtype=torch.float32)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Allocation", "MemoryTracker", "peak_bytes"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One new storage produced by an op."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    phase: str
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Record every new tensor storage produced by an op and track live/peak bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocations: list[Allocation] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase = ""
+        self.peak_by_phase: dict[str, int] = {}
+        self._live_keys: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if key in self._live_keys:
+            self._live_keys.discard(key)
+            self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self._live_keys:
+                continue
+            nbytes = storage.nbytes()
+            self._live_keys.add(key)
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.peak_by_phase[self.phase] = max(
+                self.peak_by_phase.get(self.phase, 0), self.live_bytes
+            )
+            weakref.finalize(storage, self._free, key, nbytes)
+            self.allocations.append(
+                Allocation(str(func), tuple(t.shape), t.dtype, nbytes, self.phase)
+            )
+        return out
+
+    def allocations_at_least(
+        self, nbytes: int, *, dtype: torch.dtype | None = None, phase: str | None = None
+    ) -> list[Allocation]:
+        """Allocations of ``nbytes`` or more (of ``dtype`` / in ``phase`` if given)."""
+        return [
+            a
+            for a in self.allocations
+            if a.nbytes >= nbytes
+            and (dtype is None or a.dtype == dtype)
+            and (phase is None or a.phase == phase)
+        ]
+
+    def largest(self, *, phase: str | None = None) -> int:
+        """Size in bytes of the largest allocation (in ``phase`` if given), 0 if none."""
+        sizes = [a.nbytes for a in self.allocations if phase is None or a.phase == phase]
+        return max(sizes, default=0)
+
+
+def peak_bytes(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
+    """Run ``fn()`` once; return its result and the peak tensor bytes allocated during the call.
+
+    The peak counts only memory allocated after the call starts (tensors that
+    exist before it, such as the inputs, are not counted) and includes
+    whatever the result keeps alive: subtract that where it should not
+    count. CPU (and any non-CUDA device): :class:`MemoryTracker`. CUDA:
+    ``torch.cuda.max_memory_allocated`` after a synchronization, minus what
+    was allocated before.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - before
+    with MemoryTracker() as mem:
+        out = fn()
+    return out, mem.peak_bytes

@@ -1,0 +1,323 @@
+"""``rlmath bench``: its tables, its baselines, its busy processes and its argument checks.
+
+Nothing here times anything or depends on speed: the tables are checked for
+their shape and names, the baselines for computing what rlmath computes, and
+the busy processes for being alive during their block and ended after it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlmath as R
+from rlmath import cli
+from rlmath.bench import BenchSettingError, baselines, fused_head, logprobs, run, session
+from rlmath.bench.advantages import GAMMA_LAM, gae_inputs, outcome_inputs
+from rlmath.bench.busy import BusyLoad, check_busy_cores
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+CORES = os.cpu_count() or 1
+K = min(2, CORES)
+
+
+def _table_rows(out: str, first_column: str) -> list[list[str]]:
+    """The cells of each row of the markdown table whose first column is ``first_column``."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    width = lines[start].count("|")
+    assert lines[start + 1] == "|" + "---|" * (width - 1)
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        assert line.count("|") == width, line
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _gone(process: subprocess.Popen[bytes]) -> bool:
+    """Ended and reaped: no process has its pid any more."""
+    if process.poll() is None:
+        return False
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_bench_advantages_quick_prints_its_tables(capsys):
+    threads = torch.get_num_threads()
+    argv = ["bench", "advantages", "--quick", "--threads", "1", "--repeats", "5", "--no-peers"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "### GAE" in out and "### Outcome estimators" in out
+    assert out.count(f"torch {torch.__version__}, 1 thread, cpu;") == 2
+    assert out.count("load: 0 busy processes, load average at the start") == 2
+    gae = _table_rows(out, "T")
+    head = out.splitlines()[[line.startswith("| T |") for line in out.splitlines()].index(True)]
+    assert "rlmath ms" in head and "loop ms" in head and "verl" not in head
+    assert len(gae) == 2 * len(GAMMA_LAM)
+    for row in gae:
+        assert row[4].endswith("×") and float(row[2]) > 0 and float(row[3]) > 0
+    outcome = _table_rows(out, "estimator")
+    names = [row[0] for row in outcome]
+    assert names[:2] == ["grpo", "grpo (uid strings)"] and "rloo" in names
+    assert names[-1] == "grpo vs a per-sample loop over torch scalars"
+    head = next(line for line in out.splitlines() if line.startswith("| estimator |"))
+    assert "rlmath ms" in head and "reference loop ms" in head
+    # The thread count is the run's only: torch's setting is restored afterwards.
+    assert torch.get_num_threads() == threads
+
+
+def test_bench_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--device", "--quick", "--busy-cores", "--repeats", "--threads", "--no-peers"):
+        assert flag in out
+    for area in ("logprobs", "fused-head", "advantages", "all"):
+        assert area in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--busy-cores", "-1"], "argument --busy-cores: must be >= 0, got -1"),
+        (["--busy-cores", "10000"], f"argument --busy-cores: must be <= {CORES}, got 10000"),
+        (["--busy-cores", "two"], "argument --busy-cores: expected an integer, got 'two'"),
+        (["everything"], "argument AREA: invalid choice: 'everything'"),
+        (["--repeats", "1"], "argument --repeats: must be >= 5, got 1"),
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "advantages", "--quick", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: CUDA is not available on this machine" in capsys.readouterr().err
+
+
+def test_run_checks_its_settings_before_any_work():
+    with pytest.raises(BenchSettingError, match="unknown area 'everything'"):
+        run("everything")
+    with pytest.raises(BenchSettingError, match=r"repeats must be an int in \[5, 1000\]"):
+        run("advantages", repeats=2)
+    with pytest.raises(BenchSettingError, match="busy_cores must be in"):
+        run("advantages", busy_cores=CORES + 1)
+
+
+# ----------------------------------------------------------------------------- the other tables
+
+
+def test_logprobs_table_names_rlmath_and_the_baseline(capsys):
+    with session(peers=False) as setting:
+        logprobs.run(setting, repeats=5, shapes=[(16, 100)], dtypes=["float32"])
+    rows = _table_rows(capsys.readouterr().out, "logits")
+    impls = [(row[2], row[3]) for row in rows]
+    assert impls == [
+        ("log_probs", "naive log_softmax+gather"),
+        ("log_probs", "rlmath"),
+        ("log_probs + entropy", "naive log_softmax+gather"),
+        ("log_probs + entropy", "naive + entropy"),
+        ("log_probs + entropy", "rlmath"),
+    ]
+    for row in rows:
+        assert all(float(e) < 1e-4 for e in row[-1].split(" / "))
+    assert rows[0][5] == "1.00" and rows[0][7] == "1.00"  # the baseline's own ratio
+
+
+def test_fused_head_table_names_rlmath_and_the_baseline(capsys):
+    with session(peers=False) as setting:
+        fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["float32"])
+    rows = _table_rows(capsys.readouterr().out, "N×H×V")
+    assert [row[2] for row in rows] == ["unfused", "rlmath fused"]
+    assert rows[0][4] == "1.00"
+    for row in rows:
+        assert all(float(e) < 1e-4 for e in row[-1].split(" / "))
+
+
+def test_table_headers_state_the_load(capsys):
+    with session(busy_cores=1, threads=1, peers=False) as setting:
+        logprobs.run(setting, repeats=5, shapes=[(8, 50)], dtypes=["float32"])
+    out = capsys.readouterr().out
+    assert "1 thread, cpu;" in out and "load: 1 busy process, load average" in out
+
+
+# ----------------------------------------------------------------------------- the baselines
+
+
+def test_naive_log_probs_and_unfused_head_match_rlmath():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, 50, generator=g) * 3
+    labels = torch.randint(0, 50, (12,), generator=g)
+    lp, ent = R.log_probs_and_entropy_from_logits(logits, labels)
+    torch.testing.assert_close(baselines.naive_log_probs(logits, labels), lp)
+    naive_lp, naive_ent = baselines.naive_log_probs_and_entropy(logits, labels)
+    torch.testing.assert_close(naive_lp, lp)
+    torch.testing.assert_close(naive_ent, ent)
+    hidden, weight = torch.randn(12, 8, generator=g), torch.randn(50, 8, generator=g)
+    fused_lp, fused_ent = log_probs_and_entropy_from_hidden(hidden, weight, labels)
+    unfused_lp, unfused_ent = baselines.unfused_head(hidden, weight, labels)
+    torch.testing.assert_close(unfused_lp, fused_lp)
+    torch.testing.assert_close(unfused_ent, fused_ent)
+
+
+@pytest.mark.parametrize(("gamma", "lam"), GAMMA_LAM)
+def test_gae_loop_matches_rlmath(gamma, lam):
+    rewards, values, mask = gae_inputs(6, 64, seed=3)
+    for whiten in (True, False):
+        ours = R.compute_gae_advantage_return(rewards, values, mask, gamma, lam, whiten=whiten)
+        loop = baselines.gae_loop(rewards, values, mask, gamma, lam, whiten=whiten)
+        for a, b in zip(ours, loop):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+OURS = {
+    "grpo": R.compute_grpo_outcome_advantage,
+    "grpo_passk": R.compute_grpo_passk_outcome_advantage,
+    "rloo": R.compute_rloo_outcome_advantage,
+    "opo": R.compute_opo_outcome_advantage,
+    "gpg": R.compute_gpg_outcome_advantage,
+    "reinforce_plus_plus_baseline": R.compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "gdpo": R.compute_gdpo_outcome_advantage,
+}
+
+
+def test_every_outcome_loop_has_its_rlmath_estimator():
+    assert set(baselines.OUTCOME_LOOPS) == set(OURS)
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+@pytest.mark.parametrize("scores", ["0/1", "random"])
+def test_outcome_loops_match_rlmath(name, scores):
+    # 0/1 outcomes give tied and flat groups; random rewards give every group a spread.
+    rewards, mask, index = outcome_inputs(96, 4, 12, seed=5)
+    if scores == "random":
+        rewards = torch.randn(rewards.shape, generator=torch.Generator().manual_seed(6))
+    index = torch.cat([index, torch.tensor([-1])])  # and one singleton group
+    rewards, mask = torch.cat([rewards, rewards[:1]]), torch.cat([mask, mask[:1]])
+    uids = [f"uid-{k}" for k in index.tolist()]
+    ours = OURS[name](rewards, mask, index)
+    for groups in (index, uids):
+        loop = baselines.OUTCOME_LOOPS[name](rewards, mask, groups)
+        for a, b in zip(ours, loop):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_torch_scalar_loop_matches_rlmath():
+    rewards, mask, index = outcome_inputs(64, 4, 10, seed=7)
+    ours, _ = R.compute_grpo_outcome_advantage(rewards, mask, index)
+    loop = baselines.grpo_torch_scalar_loop(rewards, mask, index.tolist())
+    torch.testing.assert_close(loop, ours, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- busy processes
+
+
+def test_busy_processes_run_during_the_block_and_are_gone_after():
+    with BusyLoad(K) as load:
+        assert len(load.pids) == len(set(load.pids)) == K
+        assert load.running() == K
+        for pid in load.pids:
+            os.kill(pid, 0)  # exists
+    assert load.running() == 0
+    assert all(_gone(p) for p in load.processes)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_busy_processes_are_ended_when_the_block_raises(error):
+    with pytest.raises(error), BusyLoad(K) as load:
+        assert load.running() == K
+        raise error("stop")
+    assert all(_gone(p) for p in load.processes)
+
+
+def test_session_ends_its_busy_processes_when_the_run_raises():
+    with pytest.raises(RuntimeError), session(busy_cores=K, peers=False) as setting:
+        processes = setting.load.processes
+        assert setting.load.running() == K
+        raise RuntimeError("stop")
+    assert all(_gone(p) for p in processes)
+
+
+def test_zero_busy_cores_start_nothing():
+    with BusyLoad(0) as load:
+        assert load.pids == [] and load.running() == 0
+
+
+def test_a_busy_process_ends_by_itself_after_its_time():
+    with BusyLoad(1, max_seconds=0.2) as load:
+        assert load.processes[0].wait(timeout=60) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_busy_process_ends_when_its_parent_is_killed():
+    code = (
+        "import sys, time\n"
+        "from rlmath.bench.busy import BusyLoad\n"
+        "load = BusyLoad(1).__enter__()\n"
+        "print(load.pids[0], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()  # SIGKILL: no cleanup runs in the parent
+        parent.wait()
+
+    def ended() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        return state in ("Z", "X")  # a zombie has ended: only its reaping is left
+
+    deadline = time.monotonic() + 60
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ended()
+
+
+@pytest.mark.parametrize("k", [-1, CORES + 1])
+def test_busy_cores_out_of_range(k):
+    with pytest.raises(ValueError, match=rf"busy_cores must be in \[0, {CORES}\]"):
+        check_busy_cores(k)
+    with pytest.raises(ValueError):
+        BusyLoad(k)
+
+
+def test_busy_cores_must_be_an_int():
+    with pytest.raises(TypeError):
+        check_busy_cores(True)
+    with pytest.raises(TypeError):
+        check_busy_cores(1.0)  # type: ignore[arg-type]
+
+
+def test_session_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with session(threads=1, peers=False):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
