@@ -33,7 +33,13 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["SERIAL_ELEMENTS", "limit_threads", "threads_for", "threads_per_call"]
+__all__ = [
+    "SERIAL_ELEMENTS",
+    "call_with_threads",
+    "limit_threads",
+    "threads_for",
+    "threads_per_call",
+]
 
 #: Largest per-op size (elements) for which a call runs on one thread: below
 #: it, an op's work per thread is smaller than what one wait for a busy core
@@ -76,10 +82,6 @@ def limit_threads(n: int) -> Iterator[None]:
     nothing when ``n`` is not below the current count, or when torch does not
     run its CPU ops on OpenMP.
     """
-    if torch.compiler.is_compiling():
-        # A compiled graph runs its own kernels: nothing to set while tracing.
-        yield
-        return
     omp = _openmp()
     # torch.get_num_threads() first sets up this thread's OpenMP count from
     # torch's setting if nothing has yet; the value restored is then torch's.
@@ -92,6 +94,18 @@ def limit_threads(n: int) -> Iterator[None]:
         yield
     finally:
         omp.omp_set_num_threads(current)
+
+
+def call_with_threads(n: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under :func:`limit_threads` ``(n)``; a plain call while compiling.
+
+    A compiled graph runs its own kernels, and torch.compile cannot trace the
+    context manager (torch 2.6), so nothing is set while tracing.
+    """
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    with limit_threads(n):
+        return fn(*args, **kwargs)
 
 
 def threads_per_call(fn: F) -> F:
@@ -110,7 +124,6 @@ def threads_per_call(fn: F) -> F:
                 largest = a
         if largest is None:
             return fn(*args, **kwargs)
-        with limit_threads(threads_for(largest.numel(), largest.device)):
-            return fn(*args, **kwargs)
+        return call_with_threads(threads_for(largest.numel(), largest.device), fn, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

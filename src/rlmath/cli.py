@@ -403,11 +403,6 @@ def _check_processes(
         parser.error(
             f"--tp needs --model tiny (the {cfg.model} model ties its LM head to the embedding)"
         )
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if cfg.fsdp and device.type == "cpu" and release < (2, 7):
-        parser.error(
-            f"--fsdp on CPU needs torch >= 2.7 (FSDP2 on gloo); this is {torch.__version__}"
-        )
     try:
         check_layout(
             world_size=world if world is not None else args.nproc,
@@ -418,6 +413,10 @@ def _check_processes(
         )
     except LayoutError as err:
         parser.error(str(err))
+    if cfg.fsdp and device.type == "cpu" and _release(torch.__version__) < (2, 7):
+        parser.error(
+            f"--fsdp on CPU needs torch >= 2.7 (FSDP2 on gloo); this is {torch.__version__}"
+        )
 
 
 def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
@@ -435,9 +434,21 @@ def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
 
         init_from_env(backend)
         try:
-            return run_demo(cfg)
-        finally:
+            result = run_demo(cfg)
+            dist.barrier()  # every rank leaves together
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        if _release(torch.__version__) < (2, 7):
+            # torch 2.6's gloo group can deadlock in its destructor (it holds the
+            # GIL while joining a worker thread that waits for it): end the
+            # process here, after the last collective, without tearing it down.
+            status = _demo_status(result)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        dist.destroy_process_group()
+        return result
     if args.nproc > 1:
         from rlmath.distributed import run_distributed
 
@@ -475,6 +486,19 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a torch version string such as ``"2.6.0+cu124"``."""
+    return tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+
+
+def _demo_status(result) -> int:  # type: ignore[no-untyped-def]
+    """The exit status of a finished demo run (1: diverged, 130: interrupted)."""
+    if result.diverged:
+        print(f"rlmath demo: training diverged at {result.diverged}", file=sys.stderr)
+        return 1
+    return 130 if result.interrupted else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlmath`` console script; returns the exit status."""
     parser = build_parser()
@@ -493,10 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # the loop itself stops cleanly and keeps its metrics.
             print("\nrlmath demo: interrupted", file=sys.stderr)
             return 130
-        if result.diverged:
-            print(f"rlmath demo: training diverged at {result.diverged}", file=sys.stderr)
-            return 1
-        return 130 if result.interrupted else 0
+        return _demo_status(result)
     if args.command == "bench":
         return _run_bench(args, parser)
     parser.print_help()

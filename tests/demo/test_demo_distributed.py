@@ -143,3 +143,12 @@ def test_tp_needs_the_tiny_model(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--model", "hf-tiny", "--nproc", "2", "--tp", "2"])
     assert "--tp needs --model tiny" in capsys.readouterr().err
+
+
+def test_fsdp_on_cpu_needs_torch_2_7(monkeypatch, capsys):
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    with pytest.raises(SystemExit):
+        main(["demo", "--batch-size", "4", "--nproc", "2", "--fsdp"])
+    assert "--fsdp on CPU needs torch >= 2.7 (FSDP2 on gloo); this is 2.6.0+cpu" in (
+        capsys.readouterr().err
+    )

@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple  # noqa: F401  (schema inference reads 
 import torch
 from torch.library import custom_op, register_vmap
 
-from rlmath._threads import limit_threads, threads_for
+from rlmath._threads import call_with_threads, threads_for
 from rlmath._validation import result_dtype
 from rlmath.advantages._common import ValidTokens
 from rlmath.advantages.scan import _reverse_scan
@@ -30,8 +30,8 @@ def gae_scan(
     that folds vmapped dims into rows (every row is independent).
     """
     # Hundreds of small ops: one thread for small inputs (see rlmath._threads).
-    with limit_threads(threads_for(rewards.numel(), rewards.device)):
-        return _gae_scan(rewards, values, valid, gamma, gamma_lam)
+    threads = threads_for(rewards.numel(), rewards.device)
+    return call_with_threads(threads, _gae_scan, rewards, values, valid, gamma, gamma_lam)  # type: ignore[no-any-return]
 
 
 def _gae_scan(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmath._threads import limit_threads, threads_for
+from rlmath._threads import call_with_threads, threads_for
 from rlmath._validation import check_in_range, check_tensor
 
 __all__ = ["reverse_discounted_cumsum"]
@@ -87,8 +87,7 @@ def _reverse_scan(x: torch.Tensor, c: float, *, inplace: bool = False) -> torch.
     if x.shape[-1] > 0:
         # About 5 small ops per halving level: one thread for small inputs
         # (a busy core would stall every one of them; see rlmath._threads).
-        with limit_threads(threads_for(x.numel(), x.device)):
-            _scan_into(x, c, out)
+        call_with_threads(threads_for(x.numel(), x.device), _scan_into, x, c, out)
     return out
 
 
