@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlmath as R
-from rlmath._threads import limit_threads, threads_for
+from rlmath._threads import _openmp, limit_threads, threads_for
 from rlmath.engine.torch_backend.workers import for_each_chunk
 from tests.memory_tracker import MemoryTracker
 
@@ -99,6 +99,12 @@ def test_a_call_leaves_the_thread_count_as_it_was(threads):
     assert torch.get_num_threads() == 2
 
 
+needs_openmp = pytest.mark.skipif(
+    _openmp() is None, reason="torch does not run its CPU ops on OpenMP here"
+)
+
+
+@needs_openmp
 def test_limit_threads_acts_on_the_calling_thread_only(threads):
     threads(2)
     inside, other = [], []
