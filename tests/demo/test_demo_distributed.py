@@ -152,3 +152,13 @@ def test_fsdp_on_cpu_needs_torch_2_7(monkeypatch, capsys):
     assert "--fsdp on CPU needs torch >= 2.7 (FSDP2 on gloo); this is 2.6.0+cpu" in (
         capsys.readouterr().err
     )
+
+
+def test_the_vocabulary_parallel_head_takes_a_bias_free_linear():
+    from rlmath.demo.parallel import Layout
+    from rlmath.demo.vocab_parallel_head import VocabParallelLMHead
+
+    with pytest.raises(ValueError, match="bias-free nn.Linear"):
+        VocabParallelLMHead.from_linear(torch.nn.Linear(4, 6), Layout())
+    head = VocabParallelLMHead.from_linear(torch.nn.Linear(4, 6, bias=False), Layout())
+    assert head.weight.shape == (6, 4) and head.vocab_start == 0 and head.vocab_size == 6

@@ -96,6 +96,7 @@ def test_a_call_leaves_the_thread_count_as_it_was(threads):
     _values_and_grads(x, labels, temp, upstream)
     R.compute_gae_advantage_return(x[:, :50], x[:, 50:100], x[:, :50] > 0, gamma=1.0, lam=1.0)
     R.compute_grpo_outcome_advantage(x[:8, :4], torch.ones(8, 4), torch.arange(8) // 4)
+    R.reverse_discounted_cumsum(x[:, :300], 0.9)
     assert torch.get_num_threads() == 2
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmath._threads import call_with_threads, threads_for
+from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range, check_tensor
 
 __all__ = ["reverse_discounted_cumsum"]
@@ -34,6 +34,7 @@ __all__ = ["reverse_discounted_cumsum"]
 _BASE_LENGTH = 32
 
 
+@threads_per_call
 def reverse_discounted_cumsum(values: torch.Tensor, discount: float) -> torch.Tensor:
     """``y[..., t] = Σ_{s ≥ t} discount^(s − t) · values[..., s]`` along the last axis.
 
@@ -85,9 +86,7 @@ def _reverse_scan(x: torch.Tensor, c: float, *, inplace: bool = False) -> torch.
     """
     out = x if inplace else torch.empty_like(x)
     if x.shape[-1] > 0:
-        # About 5 small ops per halving level: one thread for small inputs
-        # (a busy core would stall every one of them; see rlmath._threads).
-        call_with_threads(threads_for(x.numel(), x.device), _scan_into, x, c, out)
+        _scan_into(x, c, out)
     return out
 
 
