@@ -200,18 +200,20 @@ def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, wor
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)
-    # A 1200 x 1000 block is cut into slices of 262 rows (1 MiB of fp32 each).
-    h = torch.randn(1200, 32, generator=g)
+    # A 2100 x 1000 block is cut into 5 row pieces (one worker task each; at
+    # most 512 rows), those into slices of <= 262 rows (1 MiB of fp32 each), and
+    # its weight gradient into 2 pieces of 500 vocabulary entries.
+    h = torch.randn(2100, 32, generator=g)
     w = torch.randn(1000, 32, generator=g) * 0.3
-    labels = torch.randint(0, 1000, (1200,), generator=g)
+    labels = torch.randint(0, 1000, (2100,), generator=g)
     labels[3] = -100
-    up = torch.randn(2, 1200, generator=g)
+    up = torch.randn(2, 2100, generator=g)
     results = []
     for n in (1, 2, 4):
         threads(n)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         logp, ent = log_probs_and_entropy_from_hidden(
-            hh, ww, labels, softcap=softcap, chunk_size=1200, vocab_chunk_size=1000
+            hh, ww, labels, softcap=softcap, chunk_size=2100, vocab_chunk_size=1000
         )
         torch.autograd.backward([logp, ent], [up[0], up[1]])
         results.append((logp.detach(), ent.detach(), hh.grad, ww.grad))

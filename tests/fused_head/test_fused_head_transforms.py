@@ -137,3 +137,29 @@ def test_autocast_runs_the_head_in_the_autocast_dtype():
     torch.testing.assert_close(lp, rlp, rtol=0, atol=2e-6)
     # And different from the fp32 head by bf16 rounding: autocast really applied.
     assert (fused(h, w, labels)[0] - lp).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("piece", [1, 3])
+@pytest.mark.parametrize("transform", [{}, {"scale": 0.7, "softcap": 2.0}])
+def test_small_matmul_pieces(monkeypatch, piece, transform):
+    # On a CPU a block's matmuls and elementwise passes run in pieces of rows
+    # (and, for the weight gradient, of vocabulary entries), one worker task
+    # each: pieces of 1 and 3 put a boundary inside every block, uneven last
+    # pieces included, with and without the transform's own block buffer.
+    import rlmath.engine.torch_backend.head_blocks as fn
+
+    monkeypatch.setattr(fn, "matmul_piece", lambda length, device=None: piece)
+    h, w, b, labels = _inputs()
+    t = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+    kw = {"temperature": t, "chunk_size": 5, "vocab_chunk_size": 7}
+    if transform:
+        kw |= {"logit_scale": transform["scale"], "softcap": transform["softcap"]}
+
+    def f(h, w, b):
+        return fused(h, w, labels, bias=b, **kw)
+
+    assert gradcheck(f, (h, w, b))
+    got = f(h, w, b)
+    want = reference(h, w, b, labels, temperature=t[:, None], **transform)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

@@ -2,9 +2,12 @@
 
 Each block of logits is recomputed and turned into its gradient ``g`` with
 :func:`rlmath.engine.torch_backend.logits_backward.chunk_grad` (from the saved
-log-sum-exp, so a tile needs nothing from the others), then fed to three
-matmuls: ``grad_hidden[chunk] += g @ weight_tile``,
+log-sum-exp, so a tile needs nothing from the others), then fed to two
+matmuls and a sum: ``grad_hidden[chunk] += g @ weight_tile``,
 ``grad_weight[tile] += g.T @ hidden_chunk`` and ``grad_bias[tile] += Σ g``.
+On a CPU the first three steps run per row piece of the block and the
+``grad_weight`` matmul per vocabulary-entry piece, each piece one worker task
+(:class:`~rlmath.engine.torch_backend.head_blocks.HeadBlocks`).
 
 For half-precision inputs on a CPU the weight tile and hidden chunk are upcast
 for these matmuls; on an accelerator ``g`` is rounded to the inputs' dtype and
@@ -101,27 +104,28 @@ def head_grad(
         if grad_h is not None:
             acc = ws.scratch("gh32", (c, H), cdt) if half_h and not full_h else grad_h[r0:r1]
         for k, (v0, v1) in enumerate(blocks.tile_spans):
-            z = blocks.transformed(blocks.logits(h, v0, v1))
-            idx, inside = blocks.tile_labels(r0, r1, v0, v1)
+            blocks.begin_tile(v0, v1)
             # In place over the logits block when it is already a compute-dtype buffer
             # of its own; a transformed block is still needed by the chain rule.
-            g = z if z.dtype == cdt and not blocks.transform else ws.get("g", c)
-            w_in = torch.where(inside, w[r0:r1], 0.0) if w is not None else None
-            slices = blocks.slices(c, v0, v1)
-            one_slice = functools.partial(
-                _slice_grad,
-                z=z,
-                g=g,
-                rows=slice(r0, r1),
-                lse=lse_col,
-                alpha=alpha,
-                beta=beta,
-                w=w_in,
-                labels=idx,
-                temp=temp,
+            in_place = h.dtype == cdt and not blocks.transform
+            g = ws.get("z", c) if in_place else ws.get("g", c)
+            w_tile = weight[v0:v1]
+            if acc is not None and half_w and not lowp:
+                w_tile = ws.scratch("w32", (v1 - v0, H), cdt).copy_(w_tile)
+            pieces = blocks.row_pieces(c)
+            one_piece = functools.partial(
+                _piece_grad,
                 blocks=blocks,
+                h=h,
+                r0=r0,
+                tile=(v0, v1),
+                g=g,
+                coefficients=(lse_col, alpha, beta, w),
+                temp=temp,
+                # On an accelerator the half-precision matmuls follow on the whole block.
+                grad_hidden=None if lowp or acc is None else (acc, w_tile, k == 0),
             )
-            for_each_chunk(slices, one_slice, blocks.small_scratch, pass_workers(dev, len(slices)))
+            for_each_chunk(pieces, one_piece, blocks.small_scratch, pass_workers(dev, len(pieces)))
             if lowp:
                 _lowp_matmuls(
                     g,
@@ -133,20 +137,12 @@ def head_grad(
                     first_h=k == 0,
                     first_w=j == 0,
                 )
-            else:
-                if acc is not None:
-                    w_tile = weight[v0:v1]
-                    if half_w:
-                        w_tile = ws.scratch("w32", (v1 - v0, H), cdt).copy_(w_tile)
-                    if k == 0:
-                        torch.mm(g, w_tile, out=acc)
-                    else:
-                        acc.addmm_(g, w_tile)
-                if grad_w is not None:
-                    if j == 0:
-                        torch.mm(g.T, h_c, out=grad_w[v0:v1])
-                    else:
-                        grad_w[v0:v1].addmm_(g.T, h_c)
+            elif grad_w is not None:
+                entries = blocks.entry_pieces(v1 - v0)
+                weight_piece = functools.partial(
+                    _piece_grad_weight, g=g, h=h_c, out=grad_w[v0:v1], first=j == 0
+                )
+                for_each_chunk(entries, weight_piece, lambda: None, pass_workers(dev, len(entries)))
             if grad_b is not None:
                 grad_b[v0:v1] += g.sum(0)
         if grad_h is not None and acc is not None and half_h and not full_h:
@@ -193,37 +189,62 @@ def _lowp_matmuls(
             acc_w.add_(part)
 
 
-def _slice_grad(
+def _piece_grad(
     a: int,
     b: int,
     ws: TileWorkspace,
     *,
-    z: torch.Tensor,
-    g: torch.Tensor,
-    rows: slice,
-    lse: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: torch.Tensor | None,
-    w: torch.Tensor | None,
-    labels: torch.Tensor,
-    temp: TemperatureColumn,
     blocks: HeadBlocks,
+    h: torch.Tensor,
+    r0: int,
+    tile: tuple[int, int],
+    g: torch.Tensor,
+    coefficients: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    temp: TemperatureColumn,
+    grad_hidden: tuple[torch.Tensor, torch.Tensor, bool] | None,
 ) -> None:
-    """The gradient of rows ``[a, b)`` of the block ``z`` (pass rows ``rows``) into ``g``.
+    """Rows ``[a, b)`` of one block (block rows from ``r0``): logits, their gradient, ``grad_hidden``.
 
-    ``lse``, ``alpha``, ``beta`` are the whole pass's; ``w`` and ``labels`` the block's.
+    The logits of those rows are recomputed, turned slice by slice into their
+    gradient in rows ``[a, b)`` of ``g`` (:func:`chunk_grad`, then the chain
+    rule of the transform), and, with ``grad_hidden = (acc, w_tile, first)``,
+    ``acc[a:b] (+)= g[a:b] @ w_tile``. ``coefficients`` are the whole pass's
+    ``(lse, alpha, beta, w)``.
     """
-    r = slice(rows.start + a, rows.start + b)
-    chunk_grad(
-        z[a:b],
-        ws,
-        g[a:b],
-        lse=lse[r],
-        alpha=alpha[r],
-        beta=beta[r] if beta is not None else None,
-        w=w[a:b] if w is not None else None,
-        labels=labels[a:b],
-        temperature=temp.rows(r.start, r.stop),
-    )
-    if blocks.transform:
-        blocks.chain_rule(g[a:b], z[a:b])
+    v0, v1 = tile
+    lse, alpha, beta, w = coefficients
+    z = blocks.transformed(blocks.logits(h[a:b], v0, v1, a), a)
+    idx, inside = blocks.tile_labels(r0 + a, r0 + b, v0, v1)
+    w_in = torch.where(inside, w[r0 + a : r0 + b], 0.0) if w is not None else None
+    gp = g[a:b]
+    for s0, s1 in blocks.slices(b - a):
+        r = slice(r0 + a + s0, r0 + a + s1)
+        chunk_grad(
+            z[s0:s1],
+            ws,
+            gp[s0:s1],
+            lse=lse[r],
+            alpha=alpha[r],
+            beta=beta[r] if beta is not None else None,
+            w=w_in[s0:s1] if w_in is not None else None,
+            labels=idx[s0:s1],
+            temperature=temp.rows(r.start, r.stop),
+        )
+        if blocks.transform:
+            blocks.chain_rule(gp[s0:s1], z[s0:s1])
+    if grad_hidden is not None:
+        acc, w_tile, first = grad_hidden
+        if first:
+            torch.mm(gp, w_tile, out=acc[a:b])
+        else:
+            acc[a:b].addmm_(gp, w_tile)
+
+
+def _piece_grad_weight(
+    e0: int, e1: int, _: None, *, g: torch.Tensor, h: torch.Tensor, out: torch.Tensor, first: bool
+) -> None:
+    """Entries ``[e0, e1)`` of a tile's weight gradient: ``out[e0:e1] (+)= g[:, e0:e1].T @ h``."""
+    if first:
+        torch.mm(g[:, e0:e1].T, h, out=out[e0:e1])
+    else:
+        out[e0:e1].addmm_(g[:, e0:e1].T, h)

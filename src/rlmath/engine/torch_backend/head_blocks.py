@@ -1,9 +1,14 @@
 """Blocks of the fused LM head's logits: ``hidden_chunk @ weight_tile.T (+ bias_tile)``.
 
 Shared by the head's forward and backward passes. A block is computed into
-one reused buffer in the inputs' dtype (as ``hidden @ weight.T`` would be);
-the elementwise passes over it run in row slices (on a CPU, L2-sized:
-:func:`rlmath.engine.policy.elementwise_rows`).
+one reused buffer in the inputs' dtype (as ``hidden @ weight.T`` would be).
+On a CPU its matmuls run in pieces (:meth:`HeadBlocks.row_pieces`,
+:meth:`HeadBlocks.entry_pieces`), each piece a task for one worker thread
+(:mod:`rlmath.engine.torch_backend.workers`) that also runs the elementwise
+passes over its rows, in L2-sized slices
+(:func:`rlmath.engine.policy.elementwise_rows`). Every piece writes its own
+rows (or vocabulary entries) of the outputs, and the pieces' bounds never
+depend on the thread count, so neither do the results.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 import torch
 
 from rlmath.engine import policy
-from rlmath.engine.policy import elementwise_rows, spans
+from rlmath.engine.policy import elementwise_rows, matmul_piece, spans, tile_spans
 from rlmath.engine.torch_backend.buffers import TileWorkspace
 
 __all__ = ["HeadBlocks"]
@@ -58,8 +63,10 @@ class HeadBlocks:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.labels, self.owned, self.live = labels, owned, live
         self.row_spans = spans(hidden.shape[0], rows)
-        self.tile_spans = spans(real, tile)
+        self.tile_spans = tile_spans(real, tile, hidden.device)
         c_max, w_max = min(rows, max(1, hidden.shape[0])), max(1, min(tile, real))
+        self.piece_rows = matmul_piece(c_max, hidden.device)
+        self.piece_entries = matmul_piece(w_max, hidden.device)
         # Block-sized buffers (the logits block, the gradient block, matmul operands)...
         self.ws = TileWorkspace(c_max, w_max, dtype, hidden.device)
         # ...and slice-sized scratch for the elementwise passes.
@@ -79,24 +86,46 @@ class HeadBlocks:
             return self.hidden[r0:r1]
         return torch.where(self.live[r0:r1, None], self.hidden[r0:r1], 0.0)
 
-    def logits(self, h: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
-        """The ``(c, v1 - v0)`` block ``h @ weight[v0:v1].T + bias[v0:v1]`` in the inputs' dtype."""
-        self.ws.width = v1 - v0
-        out = self.ws.get("z", h.shape[0], dtype=h.dtype)
+    def begin_tile(self, v0: int, v1: int) -> None:
+        """Shape the block buffers (and every thread's slice scratch) for the tile ``[v0, v1)``.
+
+        Called before the pieces of a block start, and it creates the block
+        buffers the pieces write into: the workers only read shared state.
+        """
+        self.ws.width = self.small.width = v1 - v0
+        self.ws.get("z", 1, dtype=self.hidden.dtype)
+        if self.transform:
+            self.ws.get("zt", 1)
+
+    def row_pieces(self, c: int) -> list[tuple[int, int]]:
+        """The row pieces of a ``c``-row block: one worker task each (see :func:`matmul_piece`)."""
+        return spans(c, self.piece_rows)
+
+    def entry_pieces(self, width: int) -> list[tuple[int, int]]:
+        """The vocabulary-entry pieces of a ``width``-wide tile, for the ``grad_weight`` matmul."""
+        return spans(width, self.piece_entries)
+
+    def logits(self, h: torch.Tensor, v0: int, v1: int, a: int = 0) -> torch.Tensor:
+        """Rows ``[a, a + len(h))`` of the block buffer: ``h @ weight[v0:v1].T + bias[v0:v1]``.
+
+        In the inputs' dtype; ``h`` is those rows of the block's hidden states.
+        """
+        out = self.ws.get("z", a + h.shape[0], dtype=h.dtype)[a:]
         w = self.weight[v0:v1].T
         if self.bias is None:
             return torch.mm(h, w, out=out)
         return torch.addmm(self.bias[v0:v1], h, w, out=out)
 
-    def transformed(self, z: torch.Tensor) -> torch.Tensor:
+    def transformed(self, z: torch.Tensor, a: int = 0) -> torch.Tensor:
         """The logits the softmax sees: ``softcap·tanh(scale·z / softcap)`` in the compute dtype.
 
         ``z`` itself when there is no transform (the passes upcast it element by
-        element); otherwise a compute-dtype block buffer (``"zt"``).
+        element); otherwise rows ``[a, a + len(z))`` of a compute-dtype block
+        buffer (``"zt"``).
         """
         if not self.transform:
             return z
-        out = torch.mul(z, self.scale, out=self.ws.get("zt", z.shape[0]))
+        out = torch.mul(z, self.scale, out=self.ws.get("zt", a + z.shape[0])[a:])
         if self.softcap is not None:
             out.div_(self.softcap).tanh_().mul_(self.softcap)
         return out
@@ -111,13 +140,12 @@ class HeadBlocks:
         factor = zt.div_(self.softcap).square_().mul_(-self.scale).add_(self.scale)
         return g.mul_(factor)
 
-    def slices(self, c: int, v0: int, v1: int) -> list[tuple[int, int]]:
-        """Row slices of a ``(c, v1 - v0)`` block for the elementwise passes."""
-        self.small.width = v1 - v0
+    def slices(self, c: int) -> list[tuple[int, int]]:
+        """Row slices of ``c`` rows of a block (a piece) for the elementwise passes."""
         return spans(c, self.sub)
 
     def small_scratch(self) -> TileWorkspace:
-        """The calling thread's slice scratch, shaped for the current tile (see :meth:`slices`)."""
+        """The calling thread's slice scratch, shaped for the current tile (see :meth:`begin_tile`)."""
         key = threading.get_ident()
         with self._small_lock:
             ws = self._small_of.get(key)

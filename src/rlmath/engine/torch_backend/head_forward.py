@@ -1,7 +1,7 @@
 """The fused LM head's forward pass: per-row statistics of ``hidden @ weight.T + bias``.
 
 For each chunk of rows and each vocabulary tile, one block of logits is
-computed and reduced (:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`);
+computed and reduced, piece by piece (:class:`HeadBlocks`) (:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`);
 the tiles' statistics are merged per row
 (:func:`rlmath.engine.stats.merge_tile_stats`), so only three numbers per row
 (and the label logits) outlive a block.
@@ -66,14 +66,20 @@ def head_stats(
         tm, ts = torch.empty_like(zero), torch.empty_like(zero)
         tt = torch.empty_like(zero) if want_entropy else None
         for v0, v1 in blocks.tile_spans:
-            z = blocks.transformed(blocks.logits(h, v0, v1))
-            idx, inside = blocks.tile_labels(r0, r1, v0, v1)
-            z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
-            slices = blocks.slices(c, v0, v1)
-            one_slice = functools.partial(
-                _slice_stats, z=z, r0=r0, temp=temp, entropy=want_entropy, out=(tm, ts, tt)
+            blocks.begin_tile(v0, v1)
+            pieces = blocks.row_pieces(c)
+            one_piece = functools.partial(
+                _piece_stats,
+                blocks=blocks,
+                h=h,
+                r0=r0,
+                tile=(v0, v1),
+                temp=temp,
+                entropy=want_entropy,
+                out=(tm, ts, tt),
+                z_label=z_label,
             )
-            for_each_chunk(slices, one_slice, blocks.small_scratch, pass_workers(dev, len(slices)))
+            for_each_chunk(pieces, one_piece, blocks.small_scratch, pass_workers(dev, len(pieces)))
             stats = merge_tile_stats(stats, (tm, ts, tt))
         big[r0:r1], total_s[r0:r1] = stats[0], stats[1]
         if total_t is not None and stats[2] is not None:
@@ -84,20 +90,36 @@ def head_stats(
     return big, total_s, total_t, z_label
 
 
-def _slice_stats(
+def _piece_stats(
     a: int,
     b: int,
     ws: TileWorkspace,
     *,
-    z: torch.Tensor,
+    blocks: HeadBlocks,
+    h: torch.Tensor,
     r0: int,
+    tile: tuple[int, int],
     temp: TemperatureColumn,
     entropy: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    z_label: torch.Tensor,
 ) -> None:
-    """:func:`chunk_stats` of rows ``[a, b)`` of the block ``z`` (block rows from ``r0``) into ``out``."""
-    cm, cs, ct = chunk_stats(z[a:b], ws, temperature=temp.rows(r0 + a, r0 + b), entropy=entropy)
+    """Rows ``[a, b)`` of one block (block rows from ``r0``): logits, label logits, statistics.
+
+    The logits of those rows for the tile are computed into the block buffer and
+    reduced slice by slice (:func:`chunk_stats`) into rows ``[a, b)`` of ``out``.
+    """
+    v0, v1 = tile
+    z = blocks.transformed(blocks.logits(h[a:b], v0, v1, a), a)
+    idx, inside = blocks.tile_labels(r0 + a, r0 + b, v0, v1)
+    rows = slice(r0 + a, r0 + b)
+    z_label[rows] = torch.where(inside, z.gather(1, idx), z_label[rows])
     tm, ts, tt = out
-    tm[a:b], ts[a:b] = cm, cs
-    if tt is not None and ct is not None:
-        tt[a:b] = ct
+    for s0, s1 in blocks.slices(b - a):
+        first = r0 + a + s0
+        cm, cs, ct = chunk_stats(
+            z[s0:s1], ws, temperature=temp.rows(first, first + s1 - s0), entropy=entropy
+        )
+        tm[a + s0 : a + s1], ts[a + s0 : a + s1] = cm, cs
+        if tt is not None and ct is not None:
+            tt[a + s0 : a + s1] = ct
