@@ -27,7 +27,7 @@ def threads():
     torch.set_num_threads(before)
 
 
-def _logits(n=1500, v=1000, seed=0):
+def _logits(n=2500, v=1000, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, v, generator=g, dtype=torch.float64).float() * 3
     x[7, :] = float("-inf")  # a dead row
@@ -200,9 +200,9 @@ def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, wor
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)
-    # A 2100 x 1000 block is cut into 5 row pieces (one worker task each; at
-    # most 512 rows), those into slices of <= 262 rows (1 MiB of fp32 each), and
-    # its weight gradient into 2 pieces of 500 vocabulary entries.
+    # A 2100 x 1000 block is cut into 5 row pieces (one worker task each, at
+    # most 512 rows; each its own elementwise slice, up to 524 rows fit in
+    # 2 MiB of fp32) and its weight gradient into 2 pieces of 500 entries.
     h = torch.randn(2100, 32, generator=g)
     w = torch.randn(1000, 32, generator=g) * 0.3
     labels = torch.randint(0, 1000, (2100,), generator=g)

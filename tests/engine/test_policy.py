@@ -9,21 +9,21 @@ from rlmath.engine.policy import auto_chunk_size
 
 def test_auto_chunk_size_cpu():
     threads = torch.get_num_threads()
-    one_mib = 2**20
+    two_mib = 2**21
     for v in (1, 100, 32000, 151936, 10**7):
         for n in (None, 1, 3, 100, 4096, 8192, 10**6):
             c = auto_chunk_size(v, n)
             assert c == auto_chunk_size(v, n, device="cpu")
             assert c >= 1
-            # About 1 MiB of fp32 per buffer, at least two rows per thread.
-            expected = max(one_mib // (4 * v), 2 * threads)
+            # About 2 MiB of fp32 per buffer, at least two rows per thread.
+            expected = max(two_mib // (4 * v), 2 * threads)
             if n is not None:
                 expected = min(expected, n)
             assert max(1, expected - threads + 1) <= c <= expected
             if n is not None:
                 assert c <= n
     if threads == 2:
-        assert auto_chunk_size(32000, 8192) == 8
+        assert auto_chunk_size(32000, 8192) == 16
         assert auto_chunk_size(151936, 4096) == 4
 
 

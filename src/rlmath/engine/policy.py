@@ -11,13 +11,16 @@ Logits (:func:`auto_chunk_size`). Each chunk of rows costs a handful of
 full-chunk torch operations, each a pass over the chunk's scratch buffers
 with a fork/join of the intra-op threads.
 
-* CPU: the passes are fast only while the chunk's buffers stay in the cores'
-  L2 caches, so the default is a small chunk: about :data:`CPU_CHUNK_BYTES`
-  (1 MiB) of fp32 per buffer, but at least two rows per intra-op thread so
-  that every thread has whole rows to reduce. Measured on 2 cores (quiet
-  machine, fp32 ``[8192, 32000]``, forward of log-probs + entropy): 8 rows
-  per chunk 150 ms, 32 rows 205 ms, 256 rows 217 ms; for V = 151936 4 to 8
-  rows are fastest.
+* CPU: the passes are fast only while the chunk's buffers stay in the
+  caches, and every chunk costs a dozen op dispatches, so the default is a
+  small chunk: about :data:`CPU_CHUNK_BYTES` (2 MiB) of fp32 per buffer, but
+  at least two rows per intra-op thread. Measured on 2 quiet cores, fp32
+  ``[8192, 32000]``, forward of log-probs + entropy: on an Intel Xeon (2 MiB
+  L2 per core, every op on OpenMP threads) 8 rows per chunk 150 ms, 32 rows
+  205 ms, 256 rows 217 ms; on an AMD EPYC (1 MiB L2, chunks shared out over
+  worker threads, :mod:`rlmath.engine.torch_backend.workers`; median of 9)
+  8 rows 216 ms, 16 rows 198 ms, 24 rows 198 ms (forward+backward 729, 694,
+  717 ms); for V = 151936 4 to 8 rows are fastest.
 * Other devices (CUDA): every op is a kernel launch, so fewer, larger chunks
   win. The default splits the rows into about :data:`TARGET_CHUNKS` chunks,
   never below :data:`MIN_CHUNK_BYTES` nor above :data:`MAX_CHUNK_BYTES` per
@@ -70,8 +73,8 @@ __all__ = [
     "tile_spans",
 ]
 
-CPU_CHUNK_BYTES = 1024 * 1024
-"""fp32 ``(chunk, V)`` scratch buffer the CPU default aims at, in bytes (L2-resident)."""
+CPU_CHUNK_BYTES = 2 * 1024 * 1024
+"""fp32 ``(chunk, V)`` scratch buffer the CPU default aims at, in bytes (cache-resident)."""
 
 MIN_CHUNK_BYTES = 2 * 1024 * 1024
 """Smallest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes."""
@@ -139,8 +142,8 @@ def auto_chunk_size(
 ) -> int:
     """Rows per chunk for ``num_rows`` rows of ``vocab_size`` logits on ``device``.
 
-    CPU (``device`` ``None`` or a CPU device): the rows of a 1 MiB fp32 buffer
-    (8 for V = 32000, 1 for V = 151936), raised to two rows per intra-op
+    CPU (``device`` ``None`` or a CPU device): the rows of a 2 MiB fp32 buffer
+    (16 for V = 32000, 3 for V = 151936), raised to two rows per intra-op
     thread. Elsewhere: ``num_rows / 32``, kept between the row counts of a
     2 MiB and a 64 MiB fp32 buffer (for V = 32000: 16 to 524 rows; for
     V = 151936: 3 to 110). Either way never more than ``num_rows`` (when
