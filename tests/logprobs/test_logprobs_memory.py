@@ -113,3 +113,33 @@ def test_tracker_catches_the_naive_implementation():
     assert mem.allocations_at_least(4 * N * V, dtype=torch.float32, phase="backward")
     with pytest.raises(AssertionError):
         assert_bounded(mem, [x])
+
+
+@pytest.mark.parametrize("name", ["log_probs_and_entropy", "fused_head"])
+def test_tracker_sees_the_buffers_inside_rlmath_operators(name):
+    # Each pass is one torch.ops.rlmath operator; the tracker must count what
+    # runs inside it. One chunk (or block) holding every row makes the pass's
+    # own scratch (N, V)-sized, which the bounds above must then reject.
+    if name == "fused_head":
+        from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+        h = torch.randn(N, 16, requires_grad=True)
+        w = torch.randn(V, 16)
+
+        def f(x):
+            return log_probs_and_entropy_from_hidden(x, w, labels, chunk_size=N, vocab_chunk_size=V)
+
+        leaf = h
+    else:
+        leaf = torch.randn(N, V, requires_grad=True)
+
+        def f(x):
+            return log_probs_and_entropy_from_logits(x, labels, chunk_size=N)
+
+    labels = torch.randint(0, V, (N,))
+    mem = run_tracked(f, leaf)
+    assert mem.allocations_at_least(4 * N * V, dtype=torch.float32, phase="forward")
+    assert mem.allocations_at_least(4 * N * V, dtype=torch.float32, phase="backward")
+    if name != "fused_head":
+        with pytest.raises(AssertionError):
+            assert_bounded(mem, [leaf], chunk_rows=CHUNK)

@@ -9,8 +9,9 @@ runtime objects in the forms every supported torch infers a schema from.
 from typing import List, Optional, Tuple  # noqa: F401  (schema inference reads them)
 
 import torch
-from torch.library import custom_op, register_vmap
+from torch.library import register_vmap
 
+from rlmath._operators import operator
 from rlmath._threads import call_with_threads, threads_for
 from rlmath._validation import result_dtype
 from rlmath.advantages._common import ValidTokens
@@ -19,7 +20,7 @@ from rlmath.advantages.scan import _reverse_scan
 __all__ = ["gae_scan"]
 
 
-@custom_op("rlmath::gae_scan", mutates_args=())
+@operator("rlmath::gae_scan")
 def gae_scan(
     rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float, gamma_lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,10 @@ actually released). ``peak_bytes`` is the high-water mark of that count.
 
 Only tensors created while the tracker is active are counted; memory that a
 kernel allocates internally without returning it is invisible, and so is
-anything outside torch. That is what makes it deterministic: the numbers do
+anything outside torch. rlmath's own operators (``torch.ops.rlmath.*``) are
+not kernels in that sense: the tracker runs their Python bodies
+(:func:`rlmath._operators.python_body`) with itself active, so every chunk
+buffer, block buffer and temporary of a pass is counted. That is what makes it deterministic: the numbers do
 not depend on the allocator, the machine or other processes. The benchmarks
 (``rlmath bench``) report it on CPU, and the test suite asserts memory
 bounds with it.
@@ -40,6 +43,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from rlmath._operators import python_body
 
 __all__ = ["Allocation", "MemoryTracker", "peak_bytes"]
 
@@ -76,6 +81,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        body = python_body(func)
+        if body is not None:
+            # An rlmath operator: run its body with this mode on, so that its
+            # scratch buffers count (as the ops of any composite function do).
+            # Its passes then run on this thread (workers see the mode).
+            with self:
+                return body(*args, **kwargs)
         out = func(*args, **kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any, List, Optional, Tuple
 
 import torch
-from torch.library import custom_op, register_vmap
+from torch.library import register_vmap
 
+from rlmath._operators import operator
 from rlmath._validation import result_dtype
 from rlmath.engine import impl
 from rlmath.engine.config import OpConfig
@@ -62,7 +63,7 @@ def _cdt(*tensors: torch.Tensor) -> torch.dtype:
 # ------------------------------------------------------------------ logits
 
 
-@custom_op("rlmath::logits_forward", mutates_args=())
+@operator("rlmath::logits_forward")
 def logits_forward(
     logits: torch.Tensor,
     labels: Optional[torch.Tensor],
@@ -88,7 +89,7 @@ def _(logits, labels, temperature, row_index, backend, group, floats, ints):
     return logp, ent, logits.new_empty((M,), dtype=cdt)
 
 
-@custom_op("rlmath::logits_backward", mutates_args=())
+@operator("rlmath::logits_backward")
 def logits_backward(
     grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
@@ -118,7 +119,7 @@ def _(grad_logp, grad_entropy, logits, *args):
 # ------------------------------------------------------------------ KL
 
 
-@custom_op("rlmath::kl_forward", mutates_args=())
+@operator("rlmath::kl_forward")
 def kl_forward(
     logits: torch.Tensor,
     ref_logits: torch.Tensor,
@@ -140,7 +141,7 @@ def _(logits, ref_logits, *args):
     return tuple(logits.new_empty((n,), dtype=cdt) for _ in range(3))
 
 
-@custom_op("rlmath::kl_backward", mutates_args=())
+@operator("rlmath::kl_backward")
 def kl_backward(
     grad_kl: torch.Tensor,
     logits: torch.Tensor,
@@ -175,7 +176,7 @@ def _(grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_logits, n
 # ------------------------------------------------------------------ fused head
 
 
-@custom_op("rlmath::head_forward", mutates_args=())
+@operator("rlmath::head_forward")
 def head_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -202,7 +203,7 @@ def _(hidden, weight, bias, labels, temperature, backend, group, floats, ints):
     return logp, ent, hidden.new_empty((n,), dtype=cdt)
 
 
-@custom_op("rlmath::head_backward", mutates_args=())
+@operator("rlmath::head_backward")
 def head_backward(
     grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
@@ -241,7 +242,7 @@ def _(grad_logp, grad_entropy, hidden, weight, bias, labels, temperature, lse, e
 # ------------------------------------------------------------------ Σ π²
 
 
-@custom_op("rlmath::sum_pi_squared", mutates_args=())
+@operator("rlmath::sum_pi_squared")
 def sum_pi_squared(
     logits: torch.Tensor,
     temperature: Optional[torch.Tensor],
