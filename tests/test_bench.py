@@ -321,3 +321,15 @@ def test_session_restores_the_thread_count():
     with session(threads=1, peers=False):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_interleaved_rounds_rotate_the_order():
+    from rlmath.bench.setting import interleaved
+
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = interleaved(fns, torch.device("cpu"), 4, warmup=False, collect=False)
+    assert set(times) == {"a", "b", "c"}
+    rounds = ["".join(calls[i : i + 3]) for i in range(0, 12, 3)]
+    # Each round runs every function once; each function follows each other one in turn.
+    assert rounds == ["abc", "bca", "cab", "abc"]
