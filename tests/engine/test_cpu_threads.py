@@ -200,9 +200,9 @@ def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, wor
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)
-    # A 2100 x 1000 block is cut into 5 row pieces (one worker task each, at
-    # most 512 rows; each its own elementwise slice, up to 524 rows fit in
-    # 2 MiB of fp32) and its weight gradient into 2 pieces of 500 entries.
+    # A 2100 x 1000 block is cut into 8 row pieces of 262-263 rows (one worker
+    # task each, each its own elementwise slice: up to 524 rows fit in 2 MiB
+    # of fp32) and its weight gradient into 8 pieces of 125 entries.
     h = torch.randn(2100, 32, generator=g)
     w = torch.randn(1000, 32, generator=g) * 0.3
     labels = torch.randint(0, 1000, (2100,), generator=g)

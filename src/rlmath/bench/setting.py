@@ -185,7 +185,7 @@ def interleaved(
     the allocator returned to the system, evicted caches) then falls on each
     of the others in turn, instead of always on the one after it (measured: a
     forward+backward of log-probs + entropy that always followed the naive
-    path with entropy, 4 GB of temporaries, took 1.2 s instead of 0.7 s).
+    path with entropy, 4 GB of temporaries, took 1.2 s instead of 0.85 s).
     ``warmup`` calls each function once first, untimed; ``collect`` runs the
     garbage collector (untimed) before each timed call, so that one
     implementation's garbage is not collected on another's clock.
