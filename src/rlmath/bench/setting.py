@@ -3,8 +3,9 @@
 :func:`session` fixes the device, torch's CPU thread count and the load
 (:class:`~rlmath.bench.busy.BusyLoad`) for a run and yields the
 :class:`Setting` every area reads. :func:`interleaved` times several
-implementations run by run, in turns, so that a change in the machine's load
-during the run hits each of them alike, and reports the median (or minimum)
+implementations run by run, in turns (each round's order rotated by one), so
+that a change in the machine's load during the run, or what one
+implementation leaves behind, hits each of them alike, and reports the median (or minimum)
 per implementation. :func:`header` is the line above every table: the torch
 version, the thread count, the device and the load.
 """
