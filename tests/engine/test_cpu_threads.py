@@ -190,7 +190,7 @@ def workers_used(monkeypatch):
         used.append(workers)
         return real(ranges, work, scratch, workers)
 
-    for name in ("logits_forward", "logits_backward", "head_forward", "head_backward"):
+    for name in ("logits_forward", "logits_backward", "head_blocks"):
         monkeypatch.setattr(getattr(tb, name), "for_each_chunk", spy)
     return used
 

@@ -86,3 +86,26 @@ def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub):
     got = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@given(total=st.integers(0, 5000), tile=st.integers(1, 700))
+def test_cpu_tiles_are_fixed_steps_and_accelerator_tiles_even(total, tile):
+    from rlmath.engine.policy import tile_spans
+
+    cpu = tile_spans(total, tile)
+    assert [lo for lo, _ in cpu] == list(range(0, total, tile))
+    assert (cpu[-1][1] if cpu else 0) == total
+    assert all(hi - lo == tile for lo, hi in cpu[:-1]) and all(hi > lo for lo, hi in cpu)
+    assert tile_spans(total, tile, "cuda") == spans(total, tile)
+
+
+@given(length=st.integers(1, 100_000))
+def test_matmul_pieces(length):
+    from rlmath.engine.policy import MATMUL_PIECES, MIN_MATMUL_PIECE, matmul_piece
+
+    piece = matmul_piece(length)
+    assert piece >= MIN_MATMUL_PIECE
+    assert len(spans(length, piece)) <= MATMUL_PIECES
+    if length >= MATMUL_PIECES * MIN_MATMUL_PIECE:
+        assert len(spans(length, piece)) == MATMUL_PIECES
+    assert matmul_piece(length, "cuda") == length  # one piece per block on an accelerator

@@ -143,3 +143,12 @@ def test_tracker_sees_the_buffers_inside_rlmath_operators(name):
     if name != "fused_head":
         with pytest.raises(AssertionError):
             assert_bounded(mem, [leaf], chunk_rows=CHUNK)
+
+
+def test_python_body_is_only_found_for_rlmath_operators():
+    from rlmath._operators import python_body
+
+    body = python_body(torch.ops.rlmath.logits_forward.default)
+    assert callable(body) and body.__module__ == "rlmath.engine.ops"
+    assert python_body(torch.ops.aten.add.Tensor) is None
+    assert python_body(torch.add) is None and python_body(None) is None

@@ -28,7 +28,6 @@ from rlmath.engine import policy
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
 from rlmath.engine.torch_backend.head_blocks import HeadBlocks
 from rlmath.engine.torch_backend.logits_backward import chunk_grad
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["head_grad"]
 
@@ -112,7 +111,6 @@ def head_grad(
             w_tile = weight[v0:v1]
             if acc is not None and half_w and not lowp:
                 w_tile = ws.scratch("w32", (v1 - v0, H), cdt).copy_(w_tile)
-            pieces = blocks.row_pieces(c)
             one_piece = functools.partial(
                 _piece_grad,
                 blocks=blocks,
@@ -125,7 +123,7 @@ def head_grad(
                 # On an accelerator the half-precision matmuls follow on the whole block.
                 grad_hidden=None if lowp or acc is None else (acc, w_tile, k == 0),
             )
-            for_each_chunk(pieces, one_piece, blocks.small_scratch, pass_workers(dev, len(pieces)))
+            blocks.for_row_pieces(c, one_piece)
             if lowp:
                 _lowp_matmuls(
                     g,
@@ -138,11 +136,10 @@ def head_grad(
                     first_w=j == 0,
                 )
             elif grad_w is not None:
-                entries = blocks.entry_pieces(v1 - v0)
                 weight_piece = functools.partial(
                     _piece_grad_weight, g=g, h=h_c, out=grad_w[v0:v1], first=j == 0
                 )
-                for_each_chunk(entries, weight_piece, lambda: None, pass_workers(dev, len(entries)))
+                blocks.for_entry_pieces(v1 - v0, weight_piece)
             if grad_b is not None:
                 grad_b[v0:v1] += g.sum(0)
         if grad_h is not None and acc is not None and half_h and not full_h:

@@ -2,8 +2,8 @@
 
 Shared by the head's forward and backward passes. A block is computed into
 one reused buffer in the inputs' dtype (as ``hidden @ weight.T`` would be).
-On a CPU its matmuls run in pieces (:meth:`HeadBlocks.row_pieces`,
-:meth:`HeadBlocks.entry_pieces`), each piece a task for one worker thread
+On a CPU its matmuls run in pieces (:meth:`HeadBlocks.for_row_pieces`,
+:meth:`HeadBlocks.for_entry_pieces`), each piece a task for one worker thread
 (:mod:`rlmath.engine.torch_backend.workers`) that also runs the elementwise
 passes over its rows, in L2-sized slices
 (:func:`rlmath.engine.policy.elementwise_rows`). Every piece writes its own
@@ -14,12 +14,14 @@ depend on the thread count, so neither do the results.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from rlmath.engine import policy
 from rlmath.engine.policy import elementwise_rows, matmul_piece, spans, tile_spans
 from rlmath.engine.torch_backend.buffers import TileWorkspace
+from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["HeadBlocks"]
 
@@ -97,13 +99,21 @@ class HeadBlocks:
         if self.transform:
             self.ws.get("zt", 1)
 
-    def row_pieces(self, c: int) -> list[tuple[int, int]]:
-        """The row pieces of a ``c``-row block: one worker task each (see :func:`matmul_piece`)."""
-        return spans(c, self.piece_rows)
+    def for_row_pieces(self, c: int, work: Callable[[int, int, TileWorkspace], None]) -> None:
+        """``work(a, b, slice_scratch)`` for every row piece of a ``c``-row block, on the workers.
 
-    def entry_pieces(self, width: int) -> list[tuple[int, int]]:
-        """The vocabulary-entry pieces of a ``width``-wide tile, for the ``grad_weight`` matmul."""
-        return spans(width, self.piece_entries)
+        One worker task per piece (see :func:`matmul_piece`); each worker gets
+        its own slice scratch (:meth:`small_scratch`).
+        """
+        pieces = spans(c, self.piece_rows)
+        for_each_chunk(
+            pieces, work, self.small_scratch, pass_workers(self.hidden.device, len(pieces))
+        )
+
+    def for_entry_pieces(self, width: int, work: Callable[[int, int, None], None]) -> None:
+        """``work(e0, e1, None)`` for every vocabulary-entry piece of a ``width``-wide tile."""
+        pieces = spans(width, self.piece_entries)
+        for_each_chunk(pieces, work, lambda: None, pass_workers(self.hidden.device, len(pieces)))
 
     def logits(self, h: torch.Tensor, v0: int, v1: int, a: int = 0) -> torch.Tensor:
         """Rows ``[a, a + len(h))`` of the block buffer: ``h @ weight[v0:v1].T + bias[v0:v1]``.

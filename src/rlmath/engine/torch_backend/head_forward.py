@@ -17,7 +17,6 @@ from rlmath.engine.stats import merge_tile_stats
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
 from rlmath.engine.torch_backend.head_blocks import HeadBlocks
 from rlmath.engine.torch_backend.logits_forward import chunk_stats
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["head_stats"]
 
@@ -67,7 +66,6 @@ def head_stats(
         tt = torch.empty_like(zero) if want_entropy else None
         for v0, v1 in blocks.tile_spans:
             blocks.begin_tile(v0, v1)
-            pieces = blocks.row_pieces(c)
             one_piece = functools.partial(
                 _piece_stats,
                 blocks=blocks,
@@ -79,7 +77,7 @@ def head_stats(
                 out=(tm, ts, tt),
                 z_label=z_label,
             )
-            for_each_chunk(pieces, one_piece, blocks.small_scratch, pass_workers(dev, len(pieces)))
+            blocks.for_row_pieces(c, one_piece)
             stats = merge_tile_stats(stats, (tm, ts, tt))
         big[r0:r1], total_s[r0:r1] = stats[0], stats[1]
         if total_t is not None and stats[2] is not None:
