@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from rlmath.engine import policy
+from rlmath import _device
 
 
 class HostSync(AssertionError):
@@ -59,8 +59,8 @@ def forbid_host_reads():
 
     # The engine reads data on the host only where that costs nothing (a CPU);
     # the guard makes it take the path an accelerator takes.
-    saved_reads_host = policy.reads_host
-    policy.reads_host = lambda device: False
+    saved_reads_host = _device.reads_host
+    _device.reads_host = lambda device: False
     try:
         for n in _TENSOR_METHODS:
             setattr(torch.Tensor, n, refuse(f"Tensor.{n}"))
@@ -74,4 +74,4 @@ def forbid_host_reads():
         for n, f in saved_torch.items():
             setattr(torch, n, f)
         torch.Tensor.__getitem__ = saved_getitem
-        policy.reads_host = saved_reads_host
+        _device.reads_host = saved_reads_host

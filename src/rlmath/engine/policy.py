@@ -69,7 +69,6 @@ __all__ = [
     "half_matmuls_pay",
     "is_cpu",
     "matmul_piece",
-    "reads_host",
     "spans",
     "tile_spans",
 ]
@@ -117,17 +116,6 @@ _MIN_BLOCK = 64 * 1024
 def is_cpu(device: torch.device | str | None) -> bool:
     """Whether ``device`` (``None`` meaning the default) is a CPU: the size rules differ."""
     return device is None or torch.device(device).type == "cpu"
-
-
-def reads_host(device: torch.device) -> bool:
-    """Whether the pure-torch passes may read tensor data on the host for ``device``.
-
-    On a CPU that costs nothing (no device to wait for), and the passes use it
-    to skip work: the masking pass of chunks without ignored rows, the zeroing
-    of hidden rows when no row is ignored. On an accelerator it would be a
-    synchronization, so they take the path that reads nothing.
-    """
-    return device.type == "cpu"
 
 
 def half_matmuls_pay(device: torch.device) -> bool:

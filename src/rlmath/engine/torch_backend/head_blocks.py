@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlmath.engine import policy
+from rlmath import _device
 from rlmath.engine.policy import elementwise_rows, matmul_piece, spans, tile_spans
 from rlmath.engine.torch_backend.buffers import TileWorkspace
 from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
@@ -60,7 +60,7 @@ class HeadBlocks:
         scale: float = 1.0,
         softcap: float | None = None,
     ):
-        if live is not None and policy.reads_host(hidden.device) and bool(live.all()):
+        if live is not None and _device.reads_host(hidden.device) and bool(live.all()):
             live = None  # nothing to replace: skip the copy of every chunk
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.labels, self.owned, self.live = labels, owned, live

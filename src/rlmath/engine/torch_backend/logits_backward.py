@@ -16,7 +16,7 @@ import bisect
 
 import torch
 
-from rlmath.engine import policy
+from rlmath import _device
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
@@ -151,7 +151,7 @@ def logits_grad(
     # the host costs nothing there); elsewhere every chunk is, without a host read.
     dead_col = dead.unsqueeze(-1) if dead is not None else None
     dead_rows = None
-    if dead is not None and policy.reads_host(dev):
+    if dead is not None and _device.reads_host(dev):
         dead_rows = torch.nonzero(dead).flatten().tolist()
     ranges = list(src.ranges(chunk, *((dst,) if dst is not None else ())))
 
