@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -10,7 +11,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlmath import group_ids, group_stats
+from rlmath import (
+    _device,
+    get_advantage_estimator,
+    group_ids,
+    group_stats,
+    list_advantage_estimators,
+)
+from rlmath.advantages.groups import segment_ids
+
+from .helpers import grouped_batch
 
 
 def same_partition(ids: torch.Tensor, labels: list) -> bool:
@@ -152,3 +162,77 @@ def test_bad_scores():
         group_stats(torch.ones(0), [])
     with pytest.raises(ValueError, match="index"):
         group_stats(torch.ones(3), [0, 1])
+
+
+# ----------------------------------------------------------------------------- segment labels
+
+
+def test_segment_ids_use_a_narrow_integer_index_as_it_is():
+    # On a CPU, ids within B consecutive integers are already labels in [0, B).
+    index = torch.tensor([3, 1, 3, 0, 2, 1])
+    assert torch.equal(segment_ids(index, 6), index)
+    shifted = torch.tensor([-7, -5, -7, -4], dtype=torch.int32)  # within 4 values from -7
+    got = segment_ids(shifted, 4)
+    assert got.dtype == torch.int64 and got.tolist() == [0, 2, 0, 3]
+    assert shifted.tolist() == [-7, -5, -7, -4]  # the index itself is not shifted
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        torch.tensor([10**12, 5, 10**12, -3]),  # wider than B: numbered densely
+        torch.tensor([0.5, 1.5, 0.5, 2.5]),  # floating ids: numbered densely
+        torch.tensor([True, False, True, True]),
+        ["a", "b", "a", "c"],
+    ],
+    ids=["wide", "float", "bool", "strings"],
+)
+def test_segment_ids_fall_back_to_group_ids(index):
+    assert torch.equal(segment_ids(index, 4), group_ids(index, 4))
+
+
+def test_segment_ids_take_the_sort_where_host_reads_are_not_free(monkeypatch):
+    monkeypatch.setattr(_device, "reads_host", lambda device: False)
+    index = torch.tensor([3, 1, 3, 0, 2, 1])
+    assert torch.equal(segment_ids(index, 6), group_ids(index, 6))
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 40),
+    low=st.integers(-(2**40), 2**40),
+    spread=st.integers(1, 80),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8]),
+)
+def test_segment_ids_are_labels_in_range_with_the_index_partition(seed, n, low, spread, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(dtype)
+    low = max(info.min, min(low, info.max - spread))
+    index = (low + torch.randint(0, spread, (n,), generator=gen)).to(dtype)
+    ids = segment_ids(index, n)
+    assert ids.dtype == torch.int64 and ids.shape == (n,)
+    assert 0 <= int(ids.min()) and int(ids.max()) < n
+    assert same_partition(ids, index.tolist())
+
+
+GROUPED = [
+    name
+    for name in list_advantage_estimators()
+    if "index" in inspect.signature(get_advantage_estimator(name)).parameters
+    and "optimal_token_baseline" not in name
+]
+
+
+@pytest.mark.parametrize("name", GROUPED)
+@pytest.mark.parametrize("labels", ["narrow", "shifted"])
+def test_estimators_are_bitwise_equal_with_and_without_the_sort(name, labels, monkeypatch):
+    """The index used as labels (CPU) and the dense ids of the sort give the same bits."""
+    rewards, mask, index = grouped_batch(4)
+    dense = group_ids(index, index.numel())  # 0 … G−1: within B values
+    index = dense if labels == "narrow" else dense - 1000
+    fn = get_advantage_estimator(name)
+    fast = fn(rewards.float(), mask, index)
+    monkeypatch.setattr(_device, "reads_host", lambda device: False)
+    sorted_ = fn(rewards.float(), mask, index)
+    for a, b in zip(fast, sorted_, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlmath as R
-from rlmath._threads import _openmp, limit_threads, threads_for
+from rlmath._threads import SERIAL_ELEMENTS, _openmp, limit_threads, threads_for
 from rlmath.engine.torch_backend.workers import for_each_chunk
 from tests.memory_tracker import MemoryTracker
 
@@ -86,6 +86,23 @@ def test_gae_is_bitwise_equal_for_1_2_and_4_threads(threads):
     for n in (1, 2, 4):
         threads(n)
         out.append(R.compute_gae_advantage_return(r, v, mask, gamma=0.99, lam=0.95))
+    for adv, ret in out[1:]:
+        assert torch.equal(adv, out[0][0]) and torch.equal(ret, out[0][1])
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "grpo_passk", "opo", "gdpo"])
+def test_outcome_estimators_are_bitwise_equal_for_1_2_and_4_threads(threads, name):
+    # 2048 x 2100 = 4.3 M elements: above SERIAL_ELEMENTS, so the call uses torch's threads.
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(2048, 2100, generator=g)
+    mask = torch.rand(2048, 2100, generator=g) > 0.3
+    index = torch.randperm(2048, generator=g) // 8
+    assert rewards.numel() >= SERIAL_ELEMENTS
+    fn = R.get_advantage_estimator(name)
+    out = []
+    for n in (1, 2, 4):
+        threads(n)
+        out.append(fn(rewards, mask, index))
     for adv, ret in out[1:]:
         assert torch.equal(adv, out[0][0]) and torch.equal(ret, out[0][1])
 

@@ -8,10 +8,12 @@ every recurrence over time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlmath._valid_select import select_valid, valid_row_sums
 from rlmath._validation import (
     check_in_range,
     check_mask,
@@ -20,7 +22,7 @@ from rlmath._validation import (
     result_dtype,
     valid_mask,
 )
-from rlmath.advantages.groups import group_ids
+from rlmath.advantages.groups import segment_ids
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -161,39 +163,48 @@ class ValidTokens:
         return packed.gather(1, self.column)
 
 
-class OutcomeInputs(NamedTuple):
-    """Validated inputs of an outcome estimator."""
+class OutcomeInputs:
+    """Validated inputs of an outcome estimator, and the way back to tokens.
 
-    rewards: torch.Tensor
-    """``(B, T)`` token rewards in the result dtype, 0 at masked positions (a fresh
-    buffer: estimators may reuse it for their output)."""
-    valid: torch.Tensor
-    """``(B, T)`` bool mask."""
-    scores: torch.Tensor
-    """``(B,)`` sum of the valid token rewards."""
-    ids: torch.Tensor | None
-    """``(B,)`` dense group ids (None when no index was given)."""
+    ``valid`` and ``ids`` are computed at once; ``scores`` and ``rewards`` when
+    first read (grouped estimators need only the scores, which on a CPU are
+    summed without a full-size masked copy of the rewards).
+    """
+
+    def __init__(
+        self, rewards: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor | None
+    ) -> None:
+        self.valid = valid
+        """``(B, T)`` bool mask."""
+        self.ids = ids
+        """``(B,)`` group labels in ``[0, B)`` (None when no index was given)."""
+        self.dtype = result_dtype(rewards)
+        self._given = rewards
+
+    @functools.cached_property
+    def rewards(self) -> torch.Tensor:
+        """``(B, T)`` token rewards in the result dtype, 0 at masked positions (a new tensor)."""
+        return select_valid(self.valid, self._given.to(self.dtype))
+
+    @functools.cached_property
+    def scores(self) -> torch.Tensor:
+        """``(B,)`` sum of the valid token rewards, in the result dtype."""
+        if "rewards" in self.__dict__:
+            return self.rewards.sum(-1)
+        return valid_row_sums(self.valid, self._given, self.dtype)
+
+    def to_tokens(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere.
+
+        The estimator's output, a new tensor.
+        """
+        return select_valid(self.valid, per_sample.unsqueeze(-1))
 
 
 def outcome_inputs(
     token_level_rewards: object, response_mask: object, index: Any = None, *, grouped: bool = True
 ) -> OutcomeInputs:
-    """Check an outcome estimator's inputs and compute the per-sample scores."""
+    """Check an outcome estimator's inputs; the group labels when ``grouped``."""
     rewards, valid = check_token_inputs(token_level_rewards, response_mask)
-    r = valid_values(rewards, valid, result_dtype(rewards))
-    ids = group_ids(index, rewards.shape[0], rewards.device) if grouped else None
-    return OutcomeInputs(rewards=r, valid=valid, scores=r.sum(-1), ids=ids)
-
-
-def broadcast_to_tokens(
-    per_sample: torch.Tensor, valid: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere.
-
-    ``out`` (a private ``(B, T)`` buffer of the caller, e.g. the masked rewards
-    once the scores are summed) receives the result instead of a new tensor.
-    """
-    zero = torch.zeros((), dtype=per_sample.dtype, device=per_sample.device)
-    if out is None or out.dtype != per_sample.dtype:
-        return torch.where(valid, per_sample.unsqueeze(-1), zero)
-    return torch.where(valid, per_sample.unsqueeze(-1), zero, out=out)
+    ids = segment_ids(index, rewards.shape[0], rewards.device) if grouped else None
+    return OutcomeInputs(rewards, valid, ids)

@@ -15,7 +15,6 @@ import torch
 from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range, check_tensor
 from rlmath.advantages._common import (
-    broadcast_to_tokens,
     outcome_inputs,
     valid_counts,
     whiten_batch,
@@ -98,7 +97,7 @@ def compute_gdpo_outcome_advantage(
     normalized = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
     combined = (normalized * weights).sum(-1)
     whitened = whiten_batch(combined, counts=valid_counts(x.valid), group=group)
-    advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
+    advantages = x.to_tokens(whitened)
     return advantages, advantages
 
 

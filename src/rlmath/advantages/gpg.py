@@ -8,7 +8,7 @@ import torch
 
 from rlmath._threads import threads_per_call
 from rlmath._validation import check_finite_scalar, check_in_range
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
+from rlmath.advantages._common import outcome_inputs
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
 
@@ -73,5 +73,5 @@ def compute_gpg_outcome_advantage(
     else:
         scale = check_finite_scalar("alpha", alpha)
     scalar = scale * group_moments(s, x.ids).centered / norm
-    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
+    advantages = x.to_tokens(scalar)
     return advantages, advantages

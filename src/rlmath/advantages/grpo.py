@@ -13,8 +13,8 @@ import torch
 
 from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
-from rlmath.advantages.groups import group_moments, segment_reduce, segment_sum
+from rlmath.advantages._common import outcome_inputs
+from rlmath.advantages.groups import group_moments, segment_reduce, segment_sum, to_samples
 from rlmath.advantages.registry import register_advantage_estimator
 
 __all__ = ["compute_grpo_outcome_advantage", "compute_grpo_passk_outcome_advantage"]
@@ -56,7 +56,7 @@ def compute_grpo_outcome_advantage(
     assert x.ids is not None
     m = group_moments(x.scores, x.ids)
     scalar = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
-    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
+    advantages = x.to_tokens(scalar)
     return advantages, advantages
 
 
@@ -90,12 +90,12 @@ def compute_grpo_passk_outcome_advantage(
     assert x.ids is not None
     s, ids = x.scores, x.ids
     m = group_moments(s, ids)
-    top = segment_reduce(s, ids, "amax")[ids]
+    top = to_samples(segment_reduce(s, ids, "amax"), ids)
     is_top = s == top
-    n_top = segment_sum(is_top.to(s.dtype), ids)[ids]
-    runner_up = segment_reduce(torch.where(is_top, -torch.inf, s), ids, "amax")[ids]
+    n_top = to_samples(segment_sum(is_top.to(s.dtype), ids), ids)
+    runner_up = to_samples(segment_reduce(torch.where(is_top, -torch.inf, s), ids, "amax"), ids)
     unique_top = is_top & (n_top == 1) & ~m.zero_std
     gap = torch.where(unique_top, top - runner_up, 0)
     scalar = gap / (m.std + eps) if norm_adv_by_std_in_grpo else gap
-    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
+    advantages = x.to_tokens(scalar)
     return advantages, advantages

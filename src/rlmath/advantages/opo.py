@@ -11,8 +11,8 @@ import torch
 
 from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs, valid_counts
-from rlmath.advantages.groups import group_moments, segment_sum
+from rlmath.advantages._common import outcome_inputs, valid_counts
+from rlmath.advantages.groups import group_moments, segment_sum, to_samples
 from rlmath.advantages.registry import register_advantage_estimator
 
 __all__ = ["compute_opo_outcome_advantage"]
@@ -48,9 +48,9 @@ def compute_opo_outcome_advantage(
     assert x.ids is not None
     s, ids = x.scores, x.ids
     length = valid_counts(x.valid).to(s.dtype)
-    weighted = segment_sum(length * s, ids)[ids]
-    total = segment_sum(length, ids)[ids]
+    weighted = to_samples(segment_sum(length * s, ids), ids)
+    total = to_samples(segment_sum(length, ids), ids)
     baseline = weighted / torch.where(total > 0, total, 1)
     scalar = torch.where(group_moments(s, ids).zero_std, 0, s - baseline)
-    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
+    advantages = x.to_tokens(scalar)
     return advantages, advantages

@@ -30,7 +30,7 @@ from rlmath.advantages._common import (
     outcome_inputs,
     valid_values,
 )
-from rlmath.advantages.groups import segment_reduce, segment_sum
+from rlmath.advantages.groups import segment_reduce, segment_sum, to_samples
 from rlmath.advantages.registry import register_advantage_estimator
 from rlmath.advantages.scan import _reverse_scan
 
@@ -181,12 +181,12 @@ def _optimal_token_baseline(
 
     numerator = segment_sum(g_ret * g_w, ids)
     denominator = segment_sum(g_w, ids) + eps
-    baseline = (numerator / denominator)[ids]
+    baseline = to_samples(numerator / denominator, ids)
     # Where every valid trajectory of the group has the same return at this
     # step, the weighted mean is that return: use it exactly so the advantage
     # is exactly 0 (this also covers singletons and single-survivor steps).
-    high = segment_reduce(torch.where(step_valid, g_ret, -torch.inf), ids, "amax")[ids]
-    low = segment_reduce(torch.where(step_valid, g_ret, torch.inf), ids, "amin")[ids]
+    high = to_samples(segment_reduce(torch.where(step_valid, g_ret, -torch.inf), ids, "amax"), ids)
+    low = to_samples(segment_reduce(torch.where(step_valid, g_ret, torch.inf), ids, "amin"), ids)
     baseline = torch.where(high == low, g_ret, baseline)
 
     if handle_zero_tail:
@@ -206,11 +206,11 @@ def _zero_tail(
     Only groups of at least two members qualify; non-members take no part.
     """
     n = torch.where(member, lengths, -1).to(torch.float64)
-    longest = segment_reduce(n, ids, "amax")[ids]
+    longest = to_samples(segment_reduce(n, ids, "amax"), ids)
     is_longest = member & (n == longest)
-    n_longest = segment_sum(is_longest.to(torch.float64), ids)[ids]
-    n_members = segment_sum(member.to(torch.float64), ids)[ids]
-    runner_up = segment_reduce(torch.where(is_longest, -1.0, n), ids, "amax")[ids]
+    n_longest = to_samples(segment_sum(is_longest.to(torch.float64), ids), ids)
+    n_members = to_samples(segment_sum(member.to(torch.float64), ids), ids)
+    runner_up = to_samples(segment_reduce(torch.where(is_longest, -1.0, n), ids, "amax"), ids)
     applies = is_longest & (n_longest == 1) & (n_members >= 2)
     steps = torch.arange(length, device=lengths.device, dtype=torch.float64)
     return applies.unsqueeze(-1) & (steps >= runner_up.unsqueeze(-1))

@@ -11,7 +11,6 @@ from rlmath._validation import check_in_range
 from rlmath.advantages._common import (
     ValidTokens,
     as_unit_scalar,
-    broadcast_to_tokens,
     outcome_inputs,
     valid_counts,
     whiten_batch,
@@ -118,5 +117,5 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     assert x.ids is not None
     centered = group_moments(x.scores, x.ids).centered
     whitened = whiten_batch(centered, counts=valid_counts(x.valid), group=group)
-    advantages = broadcast_to_tokens(whitened, x.valid, out=x.rewards)
+    advantages = x.to_tokens(whitened)
     return advantages, advantages

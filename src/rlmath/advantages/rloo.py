@@ -8,7 +8,7 @@ import torch
 
 from rlmath._threads import threads_per_call
 from rlmath._validation import check_in_range
-from rlmath.advantages._common import broadcast_to_tokens, outcome_inputs
+from rlmath.advantages._common import outcome_inputs
 from rlmath.advantages.groups import group_moments
 from rlmath.advantages.registry import register_advantage_estimator
 
@@ -44,5 +44,5 @@ def compute_rloo_outcome_advantage(
     assert x.ids is not None
     m = group_moments(x.scores, x.ids)
     scalar = m.centered * m.size / (m.size - 1).clamp(min=1)
-    advantages = broadcast_to_tokens(scalar, x.valid, out=x.rewards)
+    advantages = x.to_tokens(scalar)
     return advantages, advantages
