@@ -107,6 +107,27 @@ def test_outcome_estimators_are_bitwise_equal_for_1_2_and_4_threads(threads, nam
         assert torch.equal(adv, out[0][0]) and torch.equal(ret, out[0][1])
 
 
+def test_outcome_estimators_from_several_python_threads_match_serial_calls(threads):
+    threads(2)
+    g = torch.Generator().manual_seed(3)
+    calls = []
+    for k, name in enumerate(["grpo", "rloo", "grpo_passk", "opo"] * 2):
+        rows = 512 * (k + 1)  # the larger calls use torch's threads, the smaller one thread
+        rewards = torch.randn(rows, 1100, generator=g)
+        mask = torch.rand(rows, 1100, generator=g) > 0.3
+        index = torch.randperm(rows, generator=g) // 8
+        if k % 2:
+            index = index * 1000 + 7  # spread wider than the batch: the sort path
+        calls.append((R.get_advantage_estimator(name), rewards, mask, index))
+    serial = [fn(r, m, i) for fn, r, m, i in calls]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        concurrent = list(pool.map(lambda c: c[0](*c[1:]), calls))
+    for s, c in zip(serial, concurrent, strict=True):
+        for a, b in zip(s, c, strict=True):
+            assert torch.equal(a, b)
+    assert torch.get_num_threads() == 2
+
+
 def test_a_call_leaves_the_thread_count_as_it_was(threads):
     threads(2)
     x, labels, temp, upstream = _logits(n=600)
