@@ -31,7 +31,7 @@ __all__ = [
 #: Elements per chunk of :func:`valid_row_sums` on a CPU: a chunk's
 #: selected values (256 KiB in fp32) are still in the caches when summed.
 ROW_SUM_CHUNK_ELEMENTS = 64 * 1024
-#: At most this many chunks per call: each costs two op dispatches.
+#: At most this many chunks per call: each costs three op dispatches.
 MAX_ROW_SUM_CHUNKS = 32
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
