@@ -11,11 +11,12 @@ actually released). ``peak_bytes`` is the high-water mark of that count.
 
 Only tensors created while the tracker is active are counted; memory that a
 kernel allocates internally without returning it is invisible, and so is
-anything outside torch. rlmath's own operators (``torch.ops.rlmath.*``) are
-not kernels in that sense: the tracker runs their Python bodies
-(:func:`rlmath._operators.python_body`) with itself active, so every chunk
-buffer, block buffer and temporary of a pass is counted. That is what makes it deterministic: the numbers do
-not depend on the allocator, the machine or other processes. The benchmarks
+anything outside torch. That is what makes it deterministic: the numbers do
+not depend on the allocator, the machine or other processes. rlmath's own
+operators (``torch.ops.rlmath.*``) are not kernels in that sense: the tracker
+runs their Python bodies (:func:`rlmath._operators.python_body`) with itself
+active, so every chunk buffer, block buffer and temporary of a pass is
+counted. The benchmarks
 (``rlmath bench``) report it on CPU, and the test suite asserts memory
 bounds with it.
 

@@ -5,8 +5,8 @@
 :class:`Setting` every area reads. :func:`interleaved` times several
 implementations run by run, in turns (each round's order rotated by one), so
 that a change in the machine's load during the run, or what one
-implementation leaves behind, hits each of them alike, and reports the median (or minimum)
-per implementation. :func:`header` is the line above every table: the torch
+implementation leaves behind, hits each of them alike, and reports the
+median (or minimum) per implementation. :func:`header` is the line above every table: the torch
 version, the thread count, the device and the load.
 """
 

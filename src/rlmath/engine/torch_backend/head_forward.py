@@ -1,8 +1,9 @@
 """The fused LM head's forward pass: per-row statistics of ``hidden @ weight.T + bias``.
 
 For each chunk of rows and each vocabulary tile, one block of logits is
-computed and reduced, piece by piece (:class:`HeadBlocks`) (:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`);
-the tiles' statistics are merged per row
+computed and reduced piece by piece (:class:`HeadBlocks`, then
+:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`); the tiles'
+statistics are merged per row
 (:func:`rlmath.engine.stats.merge_tile_stats`), so only three numbers per row
 (and the label logits) outlive a block.
 """

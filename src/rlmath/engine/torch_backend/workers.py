@@ -3,8 +3,8 @@
 A pass over the logits is a loop over chunks of rows (2 MiB each on a CPU,
 for the cache), each chunk a handful of torch ops. Run as is, every one of
 those ops is an OpenMP parallel region of its own, ending in a barrier: for
-``(8192, 32000)`` logits in 1 MiB chunks some 5000 regions per pass, each holding tens of
-microseconds of work. When another process keeps a core busy, one thread of
+``(8192, 32000)`` logits in 1 MiB chunks some 5000 regions per pass, each
+holding tens of microseconds of work. When another process keeps a core busy, one thread of
 each region waits for the scheduler, up to a time slice, and the pass
 collapses (forward: 0.24 s quiet, 2.1 s with one core busy, at 2 threads).
 
