@@ -137,3 +137,10 @@ def test_bad_input():
         select_valid(valid, x.int())
     with pytest.raises(TypeError, match="floating"):
         valid_row_sums(valid, x, torch.int32)
+
+
+def test_device_rules():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert _device.reads_host(cpu) and _device.selects_by_bits(cpu)
+    assert not _device.reads_host(meta) and not _device.selects_by_bits(meta)
+    assert not _device.reads_host(torch.device("cuda", 0))

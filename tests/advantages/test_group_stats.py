@@ -18,7 +18,7 @@ from rlmath import (
     group_stats,
     list_advantage_estimators,
 )
-from rlmath.advantages.groups import segment_ids
+from rlmath.advantages.groups import segment_ids, segment_reduce, to_samples
 
 from .helpers import grouped_batch
 
@@ -236,3 +236,66 @@ def test_estimators_are_bitwise_equal_with_and_without_the_sort(name, labels, mo
     sorted_ = fn(rewards.float(), mask, index)
     for a, b in zip(fast, sorted_, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_segment_ids_reject_bad_input_as_group_ids_does():
+    for bad, err in (
+        (torch.arange(3), ValueError),  # wrong length (fast-path dtype)
+        (torch.zeros(2, 2, dtype=torch.long), ValueError),  # not 1-D
+        ("abcd", TypeError),
+        (7, TypeError),
+    ):
+        with pytest.raises(err, match="index"):
+            segment_ids(bad, 4)
+
+
+# ----------------------------------------------------------------------------- segment reductions
+
+
+def loop_segment(x: torch.Tensor, ids: torch.Tensor, reduce: str) -> dict[int, torch.Tensor]:
+    """Per-group max/min in float64 by a Python loop over the samples (NaN propagates)."""
+    out: dict[int, torch.Tensor] = {}
+    for i, g in enumerate(ids.tolist()):
+        v = x[i].double()
+        if g not in out:
+            out[g] = v.clone()
+        else:
+            pick = torch.maximum if reduce == "amax" else torch.minimum  # both propagate NaN
+            out[g] = pick(out[g], v)
+    return out
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 30),
+    groups=st.integers(1, 8),
+    cols=st.sampled_from([0, 3]),
+)
+def test_segment_reduce_against_a_loop(reduce, seed, n, groups, cols):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n,) if cols == 0 else (n, cols)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    pick = torch.randint(0, 12, shape, generator=gen)
+    x[pick == 0], x[pick == 1], x[pick == 2] = float("nan"), float("inf"), float("-inf")
+    ids = torch.randint(0, min(groups, n), (n,), generator=gen)  # labels in [0, B)
+    got = segment_reduce(x, ids, reduce)
+    want = loop_segment(x, ids, reduce)
+    identity = -torch.inf if reduce == "amax" else torch.inf
+    for g in range(n):  # absent groups hold the identity
+        expect = want.get(g, torch.full(shape[1:], identity, dtype=torch.float64))
+        torch.testing.assert_close(got[g], expect, rtol=0, atol=0, equal_nan=True)
+    old = x.new_zeros(x.shape).scatter_reduce_(
+        0, ids.view(-1, *([1] * (x.dim() - 1))).expand_as(x), x, reduce, include_self=False
+    )
+    present = torch.zeros(n, dtype=torch.bool).index_fill_(0, ids, True)
+    torch.testing.assert_close(got[present], old[present], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(to_samples(got, ids).nan_to_num(), got[ids].nan_to_num())
+
+
+def test_segment_reduce_bad_input():
+    ids = torch.tensor([0, 1, 0])
+    with pytest.raises(ValueError, match="amax"):
+        segment_reduce(torch.ones(3), ids, "sum")
+    with pytest.raises(TypeError, match="floating"):
+        segment_reduce(torch.ones(3, dtype=torch.long), ids, "amax")
