@@ -151,10 +151,18 @@ def test_fused_head_table_names_rlmath_and_the_baseline(capsys):
     with session(peers=False) as setting:
         fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["float32"])
     rows = _table_rows(capsys.readouterr().out, "N×H×V")
-    assert [row[2] for row in rows] == ["unfused", "rlmath fused"]
+    assert [row[2] for row in rows] == ["unfused", "rlmath fused", fused_head.FLOOR]
     assert rows[0][4] == "1.00"
-    for row in rows:
+    for row in rows[:2]:
         assert all(float(e) < 1e-4 for e in row[-1].split(" / "))
+    assert rows[2][5:] == ["—", "—", "—"] and float(rows[2][4]) > 0  # times only
+
+
+def test_fused_head_table_has_no_floor_for_half_inputs(capsys):
+    with session(peers=False) as setting:
+        fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["bfloat16"])
+    rows = _table_rows(capsys.readouterr().out, "N×H×V")
+    assert [row[2] for row in rows] == ["unfused", "rlmath fused"]
 
 
 def test_table_headers_state_the_load(capsys):
@@ -181,6 +189,17 @@ def test_naive_log_probs_and_unfused_head_match_rlmath():
     unfused_lp, unfused_ent = baselines.unfused_head(hidden, weight, labels)
     torch.testing.assert_close(unfused_lp, fused_lp)
     torch.testing.assert_close(unfused_ent, fused_ent)
+
+
+def test_recompute_matmuls_are_the_four_products():
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(12, 8, generator=g), torch.randn(50, 8, generator=g)
+    h64, w64 = hidden.double(), weight.double()
+    z = h64 @ w64.T
+    for_hidden, for_weight = baselines.recompute_matmuls(hidden, weight)
+    # fp32 products of 8 terms of size ~3: errors of a few ulps of their sums.
+    torch.testing.assert_close(for_hidden.double(), z @ w64, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(for_weight.double(), z.T @ h64, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("gamma", "lam"), GAMMA_LAM)

@@ -10,7 +10,9 @@ result:
   ``log_softmax``.
 * fused head: :func:`unfused_head` materializes the logits ``hidden @
   weight.T`` and hands them to rlmath's log-probs and entropy, so that the
-  comparison isolates the fusion.
+  comparison isolates the fusion. :func:`recompute_matmuls` is not an
+  implementation but a bound: the four matmuls any head that recomputes its
+  logits in backward must run, with nothing else.
 * GAE: :func:`gae_loop`, the backward loop over ``T``, one step of tensor
   ops over the batch per time step, with rlmath's multi-turn semantics
   (masked tokens are skipped).
@@ -46,6 +48,7 @@ __all__ = [
     "naive_log_probs",
     "naive_log_probs_and_entropy",
     "opo_loop",
+    "recompute_matmuls",
     "reinforce_plus_plus_baseline_loop",
     "rloo_loop",
     "unfused_head",
@@ -70,6 +73,24 @@ def naive_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> P
 def unfused_head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> Pair:
     """Log-probs and entropy of the materialized logits ``hidden @ weight.T`` (``(N, V)``)."""
     return log_probs_and_entropy_from_logits(hidden @ weight.T, labels)
+
+
+@torch.no_grad()
+def recompute_matmuls(hidden: torch.Tensor, weight: torch.Tensor) -> Pair:
+    """The four ``N·V·H`` matmuls of a head that recomputes its logits, and nothing else.
+
+    The logits ``z = hidden @ weight.T`` in forward and again in backward, then
+    the two gradient matmuls ``g @ weight`` and ``g.T @ hidden``, here with
+    ``z`` standing in for the logits' gradient ``g`` (same shape and dtype, so
+    the same cost). The unfused path runs three of them (its backward reuses
+    the stored logits), so on hardware where the matmuls are most of the time
+    this is the least a memory-bounded head can take. Shape: ``(N, H)``,
+    ``(V, H)`` → ``((N, H), (V, H))``.
+    """
+    hidden, weight = hidden.detach(), weight.detach()
+    z = hidden @ weight.T
+    torch.mm(hidden, weight.T, out=z)  # the recomputation in backward
+    return z @ weight, z.T @ hidden
 
 
 # ----------------------------------------------------------------------------- GAE

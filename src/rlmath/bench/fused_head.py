@@ -8,7 +8,15 @@ and weight require grad, no bias) with:
   ratio is measured against (the ``(N, V)`` logits and their gradient exist);
 * ``rlmath fused``: :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`;
 * ``verl FusedLinearForPPO`` (``verl.utils.experimental.torch_functional``,
-  its default chunk of 512 tokens) when peers are on and it imports.
+  its default chunk of 512 tokens) when peers are on and it imports;
+* for fp32 inputs, ``4 matmuls (recompute floor)``:
+  :func:`~rlmath.bench.baselines.recompute_matmuls`, only the four matmuls a
+  head that recomputes its logits runs (the unfused path runs three), timed
+  in the same rounds. It computes no log-probs, so its memory and error
+  columns are empty; its ratio is the least a memory-bounded head can reach
+  on that machine when the matmuls are most of the time. (Half-precision
+  heads run their gradient matmuls in another dtype on some devices, so
+  there the floor is not shown.)
 
 Columns: median forward+backward time over the repeats (the implementations
 take turns run by run, in one process, so that load from other processes
@@ -46,7 +54,15 @@ from rlmath.bench.setting import (
 from rlmath.bench.tables import fused_header, print_header, print_rows, significant
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
-__all__ = ["DEFAULT_REPEATS", "FULL_SHAPES", "QUICK_SHAPES", "bench_case", "implementations", "run"]
+__all__ = [
+    "DEFAULT_REPEATS",
+    "FLOOR",
+    "FULL_SHAPES",
+    "QUICK_SHAPES",
+    "bench_case",
+    "implementations",
+    "run",
+]
 
 Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -55,6 +71,8 @@ QUICK_SHAPES: tuple[tuple[int, int, int], ...] = ((512, 64, 32000), (256, 32, 15
 DTYPES = ("float32", "bfloat16")
 DEFAULT_REPEATS = 5
 ERROR_ROWS = 64
+#: The name of the row that times the four matmuls of a recomputing head alone.
+FLOOR = "4 matmuls (recompute floor)"
 
 
 def find_peers(enabled: bool) -> dict[str, Impl]:
@@ -141,6 +159,9 @@ def bench_case(
         name: partial(_forward_backward, fn, hidden, weight, labels, grads)
         for name, fn in impls.items()
     }
+    if dtype == torch.float32:
+        runs[FLOOR] = partial(baselines.recompute_matmuls, hidden, weight)
+        runs[FLOOR]()  # its warm-up (the others warmed up in the memory runs)
     times = interleaved(runs, device, repeats, warmup=False)
     fp32_logits = 4 * n * v
     # The memory bound also leaves out one fp32 buffer of the weight's shape for half weights.
@@ -160,6 +181,12 @@ def bench_case(
                 f"{100 * (peaks[name] - allowance) / fp32_logits:.1f}%",
                 _errors(fn, hidden, weight, labels),
             ]
+        )
+    if FLOOR in times:
+        t = times[FLOOR]
+        rows.append(
+            [f"{n}×{h}×{v}", "float32", FLOOR, significant(t * scale), f"{t / base:.2f}"]
+            + ["—"] * 3
         )
     return rows
 
