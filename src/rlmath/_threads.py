@@ -19,12 +19,25 @@ own setting, which torch reads for each op), for the duration of the call,
 and restores it. Calls from several Python threads at once do not affect
 each other, and the results do not depend on the thread count (every op
 computes the same values with any number of threads; the tests check it).
+
+Matmuls need a second setting. torch's CPU matmuls run in MKL, which keeps
+its own per-thread count: once ``torch.set_num_threads(n)`` has been called
+(by the user, a launcher, a test harness), every thread that runs torch ops
+gets MKL's per-thread count ``n``, and MKL then ignores the OpenMP setting.
+A worker limited to one thread would still run each matmul on ``n``
+threads: with two workers on 2 cores, four threads, and a matmul of
+1366×1024×1408 measured 2.0 CPU-seconds per second under a one-thread limit.
+So :func:`limit_threads` also sets MKL's per-thread count of the calling
+thread (``MKL_Set_Num_Threads_Local``, thread-local by MKL's definition)
+where torch's MKL exports it, and restores it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import glob
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -63,6 +76,25 @@ def _openmp() -> Any:
     return lib
 
 
+@functools.cache
+def _mkl_local() -> Any:
+    """MKL's ``MKL_Set_Num_Threads_Local`` from torch's own libraries, or None (no MKL)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    candidates: list[str | None] = [None]  # the process's global symbols first
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    candidates += sorted(glob.glob(os.path.join(lib_dir, "*torch_cpu*")))
+    for path in candidates:
+        try:
+            # Already loaded by torch: this finds the same library, loads nothing new.
+            fn = ctypes.CDLL(path).MKL_Set_Num_Threads_Local
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+        return fn
+    return None
+
+
 def threads_for(elements: int, device: torch.device) -> int:
     """Intra-op threads for a call whose largest op handles ``elements`` values on ``device``.
 
@@ -89,10 +121,15 @@ def limit_threads(n: int) -> Iterator[None]:
     if omp is None or n >= current:
         yield
         return
+    mkl = _mkl_local()
     omp.omp_set_num_threads(max(1, n))
+    # The previous per-thread value (0: MKL's global setting), restored below.
+    mkl_before = mkl(max(1, n)) if mkl is not None else None
     try:
         yield
     finally:
+        if mkl is not None:
+            mkl(mkl_before)
         omp.omp_set_num_threads(current)
 
 

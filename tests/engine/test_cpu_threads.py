@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlmath as R
-from rlmath._threads import SERIAL_ELEMENTS, _openmp, limit_threads, threads_for
+from rlmath._threads import SERIAL_ELEMENTS, _mkl_local, _openmp, limit_threads, threads_for
 from rlmath.engine.torch_backend.workers import for_each_chunk
 from tests.memory_tracker import MemoryTracker
 
@@ -166,6 +166,73 @@ def test_limit_threads_acts_on_the_calling_thread_only(threads):
     with pytest.raises(RuntimeError), limit_threads(1):
         raise RuntimeError("inside")
     assert torch.get_num_threads() == 2
+
+
+def _mkl_max_threads():
+    """MKL's thread count for the calling thread (its per-thread value when set)."""
+    import ctypes
+    import glob
+    import os
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in [None, *sorted(glob.glob(os.path.join(lib_dir, "*torch_cpu*")))]:
+        try:
+            fn = ctypes.CDLL(path).MKL_Get_Max_Threads
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        return fn()
+    raise AssertionError("MKL_Set_Num_Threads_Local was found, MKL_Get_Max_Threads not")
+
+
+needs_mkl_local = pytest.mark.skipif(
+    _openmp() is None or _mkl_local() is None,
+    reason="torch's matmuls do not run in an MKL with per-thread counts here",
+)
+
+
+@needs_mkl_local
+def test_limit_threads_also_limits_mkl_after_set_num_threads(threads):
+    # torch.set_num_threads gives every thread MKL's per-thread count, which
+    # MKL then reads instead of OpenMP's: the limit must set both.
+    threads(2)
+    assert _mkl_max_threads() == 2
+    inside, other = [], []
+    entered, checked = threading.Event(), threading.Event()
+
+    def elsewhere():
+        torch.get_num_threads()  # this thread's first torch call sets its counts
+        entered.wait(5)
+        other.append(_mkl_max_threads())
+        checked.set()
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    with limit_threads(1):
+        inside.append(_mkl_max_threads())
+        entered.set()
+        checked.wait(5)
+    t.join()
+    assert inside == [1] and other == [2]
+    assert _mkl_max_threads() == 2
+    with pytest.raises(RuntimeError), limit_threads(1):
+        raise RuntimeError("inside")
+    assert _mkl_max_threads() == 2
+
+
+@needs_mkl_local
+def test_chunk_workers_run_their_matmuls_on_one_thread(threads):
+    threads(2)
+    seen = []
+    lock = threading.Lock()
+
+    def work(a, b, ws):
+        with lock:
+            seen.append((torch.get_num_threads(), _mkl_max_threads()))
+
+    for_each_chunk([(i, i + 1) for i in range(16)], work, dict, 2)
+    assert seen == [(1, 1)] * 16
+    assert _mkl_max_threads() == 2
 
 
 def test_limit_threads_never_raises_the_count(threads):
