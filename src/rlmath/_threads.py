@@ -76,9 +76,8 @@ def _openmp() -> Any:
     return lib
 
 
-@functools.cache
-def _mkl_local() -> Any:
-    """MKL's ``MKL_Set_Num_Threads_Local`` from torch's own libraries, or None (no MKL)."""
+def _mkl_function(name: str) -> Any:
+    """The function ``name`` of the MKL torch's CPU matmuls run in, or None (no MKL, not exported)."""
     if not torch.backends.mkl.is_available():
         return None
     candidates: list[str | None] = [None]  # the process's global symbols first
@@ -87,12 +86,19 @@ def _mkl_local() -> Any:
     for path in candidates:
         try:
             # Already loaded by torch: this finds the same library, loads nothing new.
-            fn = ctypes.CDLL(path).MKL_Set_Num_Threads_Local
+            return getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
             continue
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-        return fn
     return None
+
+
+@functools.cache
+def _mkl_local() -> Any:
+    """MKL's ``MKL_Set_Num_Threads_Local(n) -> previous``, or None."""
+    fn = _mkl_function("MKL_Set_Num_Threads_Local")
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn
 
 
 def threads_for(elements: int, device: torch.device) -> int:

@@ -7,6 +7,7 @@ change a result (bitwise, for any thread count and when called from several
 Python threads at once) or leave a thread count changed behind.
 """
 
+import ctypes
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +15,14 @@ import pytest
 import torch
 
 import rlmath as R
-from rlmath._threads import SERIAL_ELEMENTS, _mkl_local, _openmp, limit_threads, threads_for
+from rlmath._threads import (
+    SERIAL_ELEMENTS,
+    _mkl_function,
+    _mkl_local,
+    _openmp,
+    limit_threads,
+    threads_for,
+)
 from rlmath.engine.torch_backend.workers import for_each_chunk
 from tests.memory_tracker import MemoryTracker
 
@@ -170,19 +178,10 @@ def test_limit_threads_acts_on_the_calling_thread_only(threads):
 
 def _mkl_max_threads():
     """MKL's thread count for the calling thread (its per-thread value when set)."""
-    import ctypes
-    import glob
-    import os
-
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    for path in [None, *sorted(glob.glob(os.path.join(lib_dir, "*torch_cpu*")))]:
-        try:
-            fn = ctypes.CDLL(path).MKL_Get_Max_Threads
-        except (OSError, AttributeError):
-            continue
-        fn.restype, fn.argtypes = ctypes.c_int, []
-        return fn()
-    raise AssertionError("MKL_Set_Num_Threads_Local was found, MKL_Get_Max_Threads not")
+    fn = _mkl_function("MKL_Get_Max_Threads")
+    assert fn is not None, "MKL_Set_Num_Threads_Local was found, MKL_Get_Max_Threads not"
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn()
 
 
 needs_mkl_local = pytest.mark.skipif(
