@@ -197,9 +197,15 @@ def test_recompute_matmuls_are_the_four_products():
     h64, w64 = hidden.double(), weight.double()
     z = h64 @ w64.T
     for_hidden, for_weight = baselines.recompute_matmuls(hidden, weight)
-    # fp32 products of 8 terms of size ~3: errors of a few ulps of their sums.
-    torch.testing.assert_close(for_hidden.double(), z @ w64, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(for_weight.double(), z.T @ h64, rtol=1e-5, atol=1e-4)
+    # The standard bound of a rounded k-term dot product, |fl(a·b) - a·b| <=
+    # k·u·(|a|·|b|) to first order, through both products in turn: z has 8
+    # terms, z @ w then 50 and z.T @ h 12, plus the rounding of z itself, so
+    # |error| <= (8 + k + 1)·u times the same products of absolute values.
+    u = 2.0**-24
+    bound_h = (8 + 50 + 1) * u * ((h64.abs() @ w64.abs().T) @ w64.abs())
+    bound_w = (8 + 12 + 1) * u * ((h64.abs() @ w64.abs().T).T @ h64.abs())
+    assert ((for_hidden.double() - z @ w64).abs() <= bound_h).all()
+    assert ((for_weight.double() - z.T @ h64).abs() <= bound_w).all()
 
 
 @pytest.mark.parametrize(("gamma", "lam"), GAMMA_LAM)

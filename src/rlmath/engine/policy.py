@@ -42,8 +42,8 @@ of 256 rows, so 896-wide tiles rather than 384): measured on 2 quiet AMD EPYC
 cores, fp32, H = 1024, V = 32000, forward+backward against the unfused path,
 sizing the tile for the evened chunks took N = 512 from 1.85× to 1.49×,
 N = 1024 from 1.47× to 1.40×, N = 2048 from 1.46× to 1.38×, N = 8192 from
-1.44× to 1.36× (alternating runs, median of 9). On an accelerator the pure-torch head issues about fifteen kernel
-launches per block, and 4 M-entry blocks made the launches the cost (bf16
+1.44× to 1.36× (alternating runs, median of 9). On an accelerator the
+pure-torch head issues about fifteen kernel launches per block, and 4 M-entry blocks made the launches the cost (bf16
 [8192, 4096, 151936] on an H200: 5.9x the unfused path), so there blocks are
 :data:`ACCELERATOR_BLOCK_ELEMENTS` entries of :data:`ACCELERATOR_ROWS` rows,
 capped at 1/48 of the logits. The elementwise passes over a block run in
