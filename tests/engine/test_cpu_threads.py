@@ -23,7 +23,7 @@ from rlmath._threads import (
     limit_threads,
     threads_for,
 )
-from rlmath.engine.torch_backend.workers import for_each_chunk
+from rlmath.engine.torch_backend.workers import for_each_block, for_each_chunk
 from tests.memory_tracker import MemoryTracker
 
 
@@ -282,33 +282,142 @@ def test_a_dispatch_mode_keeps_the_chunks_on_the_calling_thread():
     assert len(mem.allocations) == 50
 
 
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize(("along_rows", "along_columns"), [(1, 1), (1, 0), (0, 1), (0, 0)])
+def test_for_each_block_runs_every_block_once_after_the_blocks_before_it(
+    workers, along_rows, along_columns
+):
+    rows, columns = 7, 5
+    done = set()
+    lock = threading.Lock()
+    rng = torch.Generator().manual_seed(workers)
+    pauses = (torch.rand(rows, columns, generator=rng) * 2e-3).tolist()
+
+    def work(i, j, ws):
+        with lock:
+            assert (i, j) not in done
+            if along_rows and j > 0:
+                assert (i, j - 1) in done
+            if along_columns and i > 0:
+                assert (i - 1, j) in done
+        threading.Event().wait(pauses[i][j])  # vary the interleaving
+        with lock:
+            done.add((i, j))
+
+    for_each_block(
+        rows, columns, work, dict, workers, along_rows=along_rows, along_columns=along_columns
+    )
+    assert done == {(i, j) for i in range(rows) for j in range(columns)}
+
+
+def test_for_each_block_sums_in_the_same_order_whatever_the_workers():
+    # Row sums added block by block, column sums too: the orders make them
+    # bitwise those of a plain loop for any number of workers.
+    x = torch.randn(12, 9, 64, generator=torch.Generator().manual_seed(0))
+
+    def sums(workers):
+        by_row, by_col = torch.zeros(12, 64), torch.zeros(9, 64)
+
+        def work(i, j, ws):
+            by_row[i] += x[i, j]
+            by_col[j] += x[i, j]
+
+        for_each_block(12, 9, work, dict, workers, along_rows=True, along_columns=True)
+        return by_row, by_col
+
+    want = sums(1)
+    for workers in (2, 3, 4):
+        for a, b in zip(sums(workers), want, strict=True):
+            assert_bitwise_equal(a, b)
+
+
+def test_for_each_block_works_on_while_one_block_is_held_up():
+    # Block (0, 0) waits until every block of the other rows is done: with a
+    # barrier between blocks (or one block at a time) this could never finish.
+    rows, columns = 4, 6
+    others_done = threading.Event()
+    count, lock = [0], threading.Lock()
+
+    def work(i, j, ws):
+        if (i, j) == (0, 0):
+            assert others_done.wait(timeout=60), "the other workers stopped"
+            return
+        with lock:
+            count[0] += 1 if i > 0 else 0
+            if count[0] == (rows - 1) * columns:
+                others_done.set()
+
+    for_each_block(rows, columns, work, dict, 2, along_rows=True, along_columns=False)
+    assert others_done.is_set()
+
+
+def test_for_each_block_raises_a_workers_error_and_runs_on_one_thread_each(threads):
+    threads(2)
+    seen = set()
+    lock = threading.Lock()
+
+    def work(i, j, ws):
+        with lock:
+            seen.add((torch.get_num_threads(), _mkl_max_threads()))
+        if (i, j) == (3, 2):
+            raise ValueError("block (3, 2)")
+
+    with pytest.raises(ValueError, match=r"block \(3, 2\)"):
+        for_each_block(6, 4, work, dict, 2, along_rows=True, along_columns=True)
+    assert seen == {(1, 1)}
+    assert torch.get_num_threads() == 2
+
+
+def test_for_each_block_keeps_a_dispatch_mode_on_the_calling_thread():
+    ids = set()
+
+    def work(i, j, ws):
+        ids.add(threading.get_ident())
+        torch.ones(4)
+
+    with MemoryTracker() as mem:
+        for_each_block(5, 4, work, dict, 4, along_rows=True, along_columns=False)
+    assert ids == {threading.get_ident()}
+    assert len(mem.allocations) == 20
+
+
 @pytest.fixture
 def workers_used(monkeypatch):
     """The worker count of every chunked pass run during the test."""
     import rlmath.engine.torch_backend as tb
+    from rlmath.engine.torch_backend.workers import for_each_block
 
     used = []
-    real = for_each_chunk
 
     def spy(ranges, work, scratch, workers):
         used.append(workers)
-        return real(ranges, work, scratch, workers)
+        return for_each_chunk(ranges, work, scratch, workers)
 
-    for name in ("logits_forward", "logits_backward", "head_blocks"):
+    def block_spy(rows, columns, work, scratch, workers, **order):
+        used.append(workers)
+        return for_each_block(rows, columns, work, scratch, workers, **order)
+
+    for name in ("logits_forward", "logits_backward"):
         monkeypatch.setattr(getattr(tb, name), "for_each_chunk", spy)
+    monkeypatch.setattr(tb.head_blocks, "for_each_block", block_spy)
     return used
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
-def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, workers_used):
+@pytest.mark.parametrize(
+    ("softcap", "dtype"), [(None, "float32"), (30.0, "float32"), (None, "bfloat16")]
+)
+def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, dtype, workers_used):
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)
-    # A 2100 x 1000 block is cut into 8 row pieces of 262-263 rows (one worker
-    # task each, each its own elementwise slice: up to 524 rows fit in 2 MiB
-    # of fp32) and its weight gradient into 8 pieces of 125 entries.
-    h = torch.randn(2100, 32, generator=g)
-    w = torch.randn(1000, 32, generator=g) * 0.3
+    # 2100 rows in one chunk are cut into 5 pieces of 420 rows, each with each
+    # of four tiles of 256 entries (the last 232) a block, one worker task; the
+    # blocks add into grad_hidden in tile order and into grad_weight in row
+    # order whatever thread runs them. bf16 sums grad_hidden in fp32 over all
+    # rows and copies each weight tile to fp32 once per worker and tile.
+    dt = getattr(torch, dtype)
+    h = torch.randn(2100, 32, generator=g).to(dt)
+    w = (torch.randn(1000, 32, generator=g) * 0.3).to(dt)
     labels = torch.randint(0, 1000, (2100,), generator=g)
     labels[3] = -100
     up = torch.randn(2, 2100, generator=g)
@@ -317,7 +426,7 @@ def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, wor
         threads(n)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         logp, ent = log_probs_and_entropy_from_hidden(
-            hh, ww, labels, softcap=softcap, chunk_size=2100, vocab_chunk_size=1000
+            hh, ww, labels, softcap=softcap, chunk_size=2100, vocab_chunk_size=256
         )
         torch.autograd.backward([logp, ent], [up[0], up[1]])
         results.append((logp.detach(), ent.detach(), hh.grad, ww.grad))

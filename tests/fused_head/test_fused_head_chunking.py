@@ -110,11 +110,12 @@ def test_cpu_tiles_are_fixed_steps_and_accelerator_tiles_even(total, tile):
 
 @given(length=st.integers(1, 100_000))
 def test_matmul_pieces(length):
-    from rlmath.engine.policy import MATMUL_PIECES, MIN_MATMUL_PIECE, matmul_piece
+    from rlmath.engine.policy import MATMUL_PIECE_ROWS, matmul_piece
 
     piece = matmul_piece(length)
-    assert piece >= MIN_MATMUL_PIECE
-    assert len(spans(length, piece)) <= MATMUL_PIECES
-    if length >= MATMUL_PIECES * MIN_MATMUL_PIECE:
-        assert len(spans(length, piece)) == MATMUL_PIECES
+    pieces = spans(length, piece)
+    # The fewest pieces of at most MATMUL_PIECE_ROWS rows, of even lengths.
+    assert 1 <= piece <= MATMUL_PIECE_ROWS
+    assert len(pieces) == -(-length // MATMUL_PIECE_ROWS)
+    assert all(b - a in (piece - 1, piece) for a, b in pieces)
     assert matmul_piece(length, "cuda") == length  # one piece per block on an accelerator

@@ -116,12 +116,17 @@ def test_tracker_catches_the_naive_implementation():
 
 
 @pytest.mark.parametrize("name", ["log_probs_and_entropy", "fused_head"])
-def test_tracker_sees_the_buffers_inside_rlmath_operators(name):
+def test_tracker_sees_the_buffers_inside_rlmath_operators(monkeypatch, name):
     # Each pass is one torch.ops.rlmath operator; the tracker must count what
     # runs inside it. One chunk (or block) holding every row makes the pass's
     # own scratch (N, V)-sized, which the bounds above must then reject.
     if name == "fused_head":
+        import rlmath.engine.torch_backend.head_blocks as blocks
         from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+        # On a CPU a chunk is cut into pieces of rows, each piece × tile a block:
+        # one piece of every row.
+        monkeypatch.setattr(blocks, "matmul_piece", lambda length, device=None: length)
 
         h = torch.randn(N, 16, requires_grad=True)
         w = torch.randn(V, 16)

@@ -46,9 +46,10 @@ N = 1024 from 1.47× to 1.40×, N = 2048 from 1.46× to 1.38×, N = 8192 from
 pure-torch head issues about fifteen kernel launches per block, and 4 M-entry blocks made the launches the cost (bf16
 [8192, 4096, 151936] on an H200: 5.9x the unfused path), so there blocks are
 :data:`ACCELERATOR_BLOCK_ELEMENTS` entries of :data:`ACCELERATOR_ROWS` rows,
-capped at 1/48 of the logits. The elementwise passes over a block run in
-L2-sized row slices on a CPU (:func:`elementwise_rows`), and its matmuls in
-pieces shared out over worker threads (:func:`matmul_piece`).
+capped at 1/48 of the logits. On a CPU each chunk is cut into pieces of
+rows (:func:`matmul_piece`), every piece × tile one block task for a worker
+thread, and the elementwise passes over a block run in L2-sized row slices
+(:func:`elementwise_rows`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ __all__ = [
     "CPU_CHUNK_BYTES",
     "DEFAULT_BLOCK_ELEMENTS",
     "DEFAULT_ROWS",
-    "MATMUL_PIECES",
+    "HEAD_WORKERS",
+    "MATMUL_PIECE_ROWS",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
-    "MIN_MATMUL_PIECE",
     "TARGET_CHUNKS",
     "TILE_ALIGN",
     "auto_chunk_size",
@@ -106,11 +107,11 @@ ACCELERATOR_BLOCK_ELEMENTS = 32 * 1024 * 1024
 TILE_ALIGN = 128
 """A CPU vocabulary tile is a multiple of this many entries (when it is not the whole vocabulary)."""
 
-MATMUL_PIECES = 8
-"""Pieces a fused-head block's matmuls are cut into on a CPU (fewer for small blocks)."""
+MATMUL_PIECE_ROWS = 512
+"""Most rows of one piece of a fused-head chunk on a CPU (see :func:`matmul_piece`)."""
 
-MIN_MATMUL_PIECE = 128
-"""Fewest rows (or vocabulary entries) of one piece of a fused-head matmul on a CPU."""
+HEAD_WORKERS = 8
+"""Most worker threads of a fused-head pass on a CPU (each holds one block's buffers)."""
 
 _ACCELERATOR_MAX_FRACTION = 48
 # Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
@@ -243,26 +244,28 @@ def elementwise_rows(rows: int, width: int, device: torch.device | str | None = 
 
 
 def matmul_piece(length: int, device: torch.device | str | None = None) -> int:
-    """Length of the pieces a fused-head block's matmul is cut into, one per worker task.
+    """Rows of the pieces a fused-head chunk of ``length`` rows is cut into, one block each.
 
-    On a CPU a block's matmuls run in :data:`MATMUL_PIECES` pieces of rows (the
-    logits and ``grad_hidden``) or vocabulary entries (``grad_weight``), none
-    shorter than :data:`MIN_MATMUL_PIECE`, each on one thread of a worker
-    (:mod:`rlmath.engine.torch_backend.workers`), so that a core taken by
-    another process slows one worker instead of holding every thread of an
-    OpenMP matmul at its barrier. Eight pieces share out evenly over 2, 4 or 8
-    workers (three 512-row pieces of a 1431-row block left one of two workers
-    idle for a third of each block: 4096×1024×32000 fp32 took 1.72× the
-    unfused time, 1.36–1.39× in eight pieces, on 2 quiet cores). The length
-    never depends on the thread count, so neither do the results. On an
-    accelerator a block is one piece (one kernel per matmul).
+    On a CPU the chunk is cut evenly into pieces of at most
+    :data:`MATMUL_PIECE_ROWS` rows, and every piece × vocabulary tile is one
+    block: one task for a worker thread, whose matmuls run on that thread
+    (:func:`rlmath.engine.torch_backend.workers.for_each_block`), so that a
+    core taken by another process slows one worker instead of holding every
+    thread of an OpenMP matmul at its barrier. The rows of a piece are the
+    inner dimension of its ``grad_weight`` matmul: measured on 2 quiet AMD
+    EPYC cores (fp32, 4096×1024×32000, forward+backward against the unfused
+    path, interleaved runs, median of 6), pieces of 171, 342, 455 (at most
+    512) and 683 rows of the 1366-row chunks took 1.34×, 1.29×, 1.27× and
+    1.31×. The length never depends on the thread count, so neither do the
+    results. On an accelerator a block is the whole chunk (one kernel per matmul).
 
     Returns:
         A positive int (``length`` itself, at least 1, on an accelerator).
     """
+    length = max(1, length)
     if not is_cpu(device):
-        return max(1, length)
-    return max(MIN_MATMUL_PIECE, -(-length // MATMUL_PIECES))
+        return length
+    return -(-length // -(-length // MATMUL_PIECE_ROWS))
 
 
 def tile_spans(

@@ -1,32 +1,38 @@
 """The fused LM head's backward pass: gradients of hidden, weight and bias, block by block.
 
-Each block of logits is recomputed and turned into its gradient ``g`` with
+Each block of logits (:class:`~rlmath.engine.torch_backend.head_blocks.HeadBlocks`)
+is recomputed and turned into its gradient ``g`` with
 :func:`rlmath.engine.torch_backend.logits_backward.chunk_grad` (from the saved
 log-sum-exp, so a tile needs nothing from the others), then fed to two
-matmuls and a sum: ``grad_hidden[chunk] += g @ weight_tile``,
-``grad_weight[tile] += g.T @ hidden_chunk`` and ``grad_bias[tile] += Σ g``.
-On a CPU the first three steps run per row piece of the block and the
-``grad_weight`` matmul per vocabulary-entry piece, each piece one worker task
-(:class:`~rlmath.engine.torch_backend.head_blocks.HeadBlocks`).
+matmuls and a sum: ``grad_hidden[rows] += g @ weight_tile``,
+``grad_weight[tile] += g.T @ hidden_rows`` and ``grad_bias[tile] += Σ g``.
+The blocks of a row add into its ``grad_hidden`` in tile order, those of a
+tile into its ``grad_weight`` in row order; on a CPU the blocks are shared out
+over the workers within those two orders
+(:func:`~rlmath.engine.torch_backend.workers.for_each_block`), each block one
+worker task on one thread, so the sums do not depend on the thread count.
 
 For half-precision inputs on a CPU the weight tile and hidden chunk are upcast
 for these matmuls; on an accelerator ``g`` is rounded to the inputs' dtype and
 the matmuls run in half precision (tensor cores), each product added to fp32
 accumulators (:func:`rlmath.engine.policy.half_matmuls_pay`). Either way
 ``grad_weight`` accumulates in one compute-dtype buffer of the weight's shape,
-rounded once at the end, as ``grad_hidden`` is per chunk (or over all rows,
-when the engine sums it over a vocabulary-parallel group first).
+rounded once at the end, as ``grad_hidden`` is per row (in a compute-dtype
+buffer of the chunk on an accelerator, of all rows on a CPU, where the blocks
+of a row do not run one after another; over all rows too when the engine sums
+it over a vocabulary-parallel group first).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from rlmath.engine import policy
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
-from rlmath.engine.torch_backend.head_blocks import HeadBlocks
+from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
 from rlmath.engine.torch_backend.logits_backward import chunk_grad
 
 __all__ = ["head_grad"]
@@ -70,85 +76,149 @@ def head_grad(
         scale, softcap: the logit transform (see :meth:`HeadBlocks.transformed`).
     """
     need_h, need_w, need_b = need
-    cdt, dev, H = lse.dtype, hidden.device, hidden.shape[1]
+    cdt, dev = lse.dtype, hidden.device
     blocks = HeadBlocks(
         hidden, weight, bias, labels, owned, live, rows, tile, real, cdt, scale, softcap
     )
-    ws = blocks.ws
-    temp = TemperatureColumn(temperature, cdt, dev)
-    lse_col = lse.unsqueeze(-1)
     half_h, half_w = hidden.dtype != cdt, weight.dtype != cdt
     lowp = (half_h or half_w) and policy.half_matmuls_pay(dev)
     full_h = grad_hidden_in_compute_dtype and half_h
-    grad_h = None
+    grad_h = acc_h = None
     if need_h:
         grad_h = torch.empty(hidden.shape, dtype=cdt if full_h else hidden.dtype, device=dev)
         if not blocks.tile_spans:
             grad_h.zero_()
-    # The first row chunk writes each weight-gradient tile, later ones accumulate:
+        # A compute-dtype sum of every row on a CPU, where the blocks of a row
+        # do not run one after another (an accelerator sums a row span at a time).
+        if grad_h.dtype == cdt:
+            acc_h = grad_h
+        elif not blocks.row_major:
+            acc_h = torch.empty(hidden.shape, dtype=cdt, device=dev)
+    # The first block row writes each weight-gradient tile, later ones accumulate:
     # no separate pass to zero V·H entries (padding rows and an empty input are zeroed).
     grad_w = None
     if need_w:
         grad_w = torch.empty(weight.shape, dtype=cdt, device=dev)
-        if not blocks.row_spans:
+        if not blocks.block_rows:
             grad_w.zero_()
         elif real < weight.shape[0]:
             grad_w[real:].zero_()
     grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=dev) if need_b else None
-    for j, (r0, r1) in enumerate(blocks.row_spans):
-        c = r1 - r0
-        h = blocks.hidden_rows(r0, r1)
-        h_c = ws.scratch("h32", (c, H), cdt).copy_(h) if half_h and need_w and not lowp else h
-        acc = None
-        if grad_h is not None:
-            acc = ws.scratch("gh32", (c, H), cdt) if half_h and not full_h else grad_h[r0:r1]
-        for k, (v0, v1) in enumerate(blocks.tile_spans):
-            blocks.begin_tile(v0, v1)
-            # In place over the logits block when it is already a compute-dtype buffer
-            # of its own; a transformed block is still needed by the chain rule.
-            in_place = h.dtype == cdt and not blocks.transform
-            g = ws.get("z", c) if in_place else ws.get("g", c)
-            w_tile = weight[v0:v1]
-            if acc is not None and half_w and not lowp:
-                w_tile = ws.scratch("w32", (v1 - v0, H), cdt).copy_(w_tile)
-            one_piece = functools.partial(
-                _piece_grad,
-                blocks=blocks,
-                h=h,
-                r0=r0,
-                tile=(v0, v1),
-                g=g,
-                coefficients=(lse_col, alpha, beta, w),
-                temp=temp,
-                # On an accelerator the half-precision matmuls follow on the whole block.
-                grad_hidden=None if lowp or acc is None else (acc, w_tile, k == 0),
-            )
-            blocks.for_row_pieces(c, one_piece)
-            if lowp:
-                _lowp_matmuls(
-                    g,
-                    h,
-                    weight[v0:v1],
-                    ws,
-                    acc,
-                    grad_w[v0:v1] if grad_w is not None else None,
-                    first_h=k == 0,
-                    first_w=j == 0,
-                )
-            elif grad_w is not None:
-                weight_piece = functools.partial(
-                    _piece_grad_weight, g=g, h=h_c, out=grad_w[v0:v1], first=j == 0
-                )
-                blocks.for_entry_pieces(v1 - v0, weight_piece)
-            if grad_b is not None:
-                grad_b[v0:v1] += g.sum(0)
-        if grad_h is not None and acc is not None and half_h and not full_h:
-            grad_h[r0:r1].copy_(acc)
+    one_block = functools.partial(
+        _block_grad,
+        blocks=blocks,
+        coefficients=(lse.unsqueeze(-1), alpha, beta, w),
+        temp=TemperatureColumn(temperature, cdt, dev),
+        out=_Gradients(grad_h, acc_h, grad_w, grad_b),
+        lowp=lowp,
+    )
+    blocks.run(one_block, along_rows=need_h, along_columns=need_w or need_b)
     if grad_w is not None and half_w:
         grad_w = grad_w.to(weight.dtype)
     if grad_b is not None and bias is not None and bias.dtype != cdt:
         grad_b = grad_b.to(bias.dtype)
     return grad_h, grad_w, grad_b
+
+
+class _Gradients(NamedTuple):
+    """The outputs a block adds into.
+
+    ``acc_h`` is ``grad_h`` itself, or its compute-dtype sum (rounded into
+    ``grad_h`` by a row's last block), or ``None`` where each row span sums in
+    a block buffer (an accelerator).
+    """
+
+    grad_h: torch.Tensor | None
+    acc_h: torch.Tensor | None
+    grad_w: torch.Tensor | None
+    grad_b: torch.Tensor | None
+
+
+def _block_grad(
+    i: int,
+    j: int,
+    scratch: BlockScratch,
+    *,
+    blocks: HeadBlocks,
+    coefficients: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    temp: TemperatureColumn,
+    out: _Gradients,
+    lowp: bool,
+) -> None:
+    """Block ``(i, j)``: its logits recomputed, their gradient, its share of every gradient.
+
+    The logits of rows ``block_rows[i]`` for tile ``tile_spans[j]`` are turned
+    slice by slice into their gradient ``g`` (:func:`chunk_grad`, then the chain
+    rule of the transform); then ``grad_hidden[rows] (+)= g @ weight_tile``
+    (the first tile writes), ``grad_weight[tile] (+)= g.T @ hidden_rows`` (the
+    first block row writes) and ``grad_bias[tile] += Σ g``. ``coefficients``
+    are the whole pass's ``(lse, alpha, beta, w)``.
+    """
+    (r0, r1), (v0, v1) = blocks.block_rows[i], blocks.tile_spans[j]
+    c, H, cdt = r1 - r0, blocks.hidden.shape[1], blocks.dtype
+    weight = blocks.weight
+    scratch.begin_tile(v0, v1)
+    ws = scratch.ws
+    h = blocks.hidden_rows(r0, r1, scratch)
+    z = blocks.transformed(scratch, blocks.logits(scratch, h, v0, v1))
+    # In place over the logits block when it is already a compute-dtype buffer
+    # of its own; a transformed block is still needed by the chain rule.
+    g = ws.get("z", c) if h.dtype == cdt and not blocks.transform else ws.get("g", c)
+    lse, alpha, beta, w = coefficients
+    idx, inside = blocks.tile_labels(r0, r1, v0, v1)
+    w_in = torch.where(inside, w[r0:r1], 0.0) if w is not None else None
+    for s0, s1 in blocks.slices(c):
+        r = slice(r0 + s0, r0 + s1)
+        chunk_grad(
+            z[s0:s1],
+            scratch.small,
+            g[s0:s1],
+            lse=lse[r],
+            alpha=alpha[r],
+            beta=beta[r] if beta is not None else None,
+            w=w_in[s0:s1] if w_in is not None else None,
+            labels=idx[s0:s1],
+            temperature=temp.rows(r.start, r.stop),
+        )
+        if blocks.transform:
+            blocks.chain_rule(g[s0:s1], z[s0:s1])
+    last = j == len(blocks.tile_spans) - 1
+    acc = None
+    if out.grad_h is not None:
+        acc = out.acc_h[r0:r1] if out.acc_h is not None else ws.scratch("gh32", (c, H), cdt)
+    if lowp:
+        _lowp_matmuls(
+            g,
+            h,
+            weight[v0:v1],
+            ws,
+            acc,
+            out.grad_w[v0:v1] if out.grad_w is not None else None,
+            first_h=j == 0,
+            first_w=i == 0,
+        )
+    else:
+        if acc is not None:
+            w_tile = weight[v0:v1]
+            if w_tile.dtype != cdt:
+                w_tile = ws.scratch("w32", (v1 - v0, H), cdt)
+                if scratch.weight_tile != j:
+                    w_tile.copy_(weight[v0:v1])
+                    scratch.weight_tile = j
+            if j == 0:
+                torch.mm(g, w_tile, out=acc)
+            else:
+                acc.addmm_(g, w_tile)
+        if out.grad_w is not None:
+            h_c = ws.scratch("h32", (c, H), cdt).copy_(h) if h.dtype != cdt else h
+            if i == 0:
+                torch.mm(g.T, h_c, out=out.grad_w[v0:v1])
+            else:
+                out.grad_w[v0:v1].addmm_(g.T, h_c)
+    if out.grad_b is not None:
+        out.grad_b[v0:v1] += g.sum(0)
+    if last and acc is not None and out.grad_h is not None and out.acc_h is not out.grad_h:
+        out.grad_h[r0:r1].copy_(acc)
 
 
 def _lowp_matmuls(
@@ -184,64 +254,3 @@ def _lowp_matmuls(
             acc_w.copy_(part)
         else:
             acc_w.add_(part)
-
-
-def _piece_grad(
-    a: int,
-    b: int,
-    ws: TileWorkspace,
-    *,
-    blocks: HeadBlocks,
-    h: torch.Tensor,
-    r0: int,
-    tile: tuple[int, int],
-    g: torch.Tensor,
-    coefficients: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    temp: TemperatureColumn,
-    grad_hidden: tuple[torch.Tensor, torch.Tensor, bool] | None,
-) -> None:
-    """Rows ``[a, b)`` of one block (block rows from ``r0``): logits, their gradient, ``grad_hidden``.
-
-    The logits of those rows are recomputed, turned slice by slice into their
-    gradient in rows ``[a, b)`` of ``g`` (:func:`chunk_grad`, then the chain
-    rule of the transform), and, with ``grad_hidden = (acc, w_tile, first)``,
-    ``acc[a:b] (+)= g[a:b] @ w_tile``. ``coefficients`` are the whole pass's
-    ``(lse, alpha, beta, w)``.
-    """
-    v0, v1 = tile
-    lse, alpha, beta, w = coefficients
-    z = blocks.transformed(blocks.logits(h[a:b], v0, v1, a), a)
-    idx, inside = blocks.tile_labels(r0 + a, r0 + b, v0, v1)
-    w_in = torch.where(inside, w[r0 + a : r0 + b], 0.0) if w is not None else None
-    gp = g[a:b]
-    for s0, s1 in blocks.slices(b - a):
-        r = slice(r0 + a + s0, r0 + a + s1)
-        chunk_grad(
-            z[s0:s1],
-            ws,
-            gp[s0:s1],
-            lse=lse[r],
-            alpha=alpha[r],
-            beta=beta[r] if beta is not None else None,
-            w=w_in[s0:s1] if w_in is not None else None,
-            labels=idx[s0:s1],
-            temperature=temp.rows(r.start, r.stop),
-        )
-        if blocks.transform:
-            blocks.chain_rule(gp[s0:s1], z[s0:s1])
-    if grad_hidden is not None:
-        acc, w_tile, first = grad_hidden
-        if first:
-            torch.mm(gp, w_tile, out=acc[a:b])
-        else:
-            acc[a:b].addmm_(gp, w_tile)
-
-
-def _piece_grad_weight(
-    e0: int, e1: int, _: None, *, g: torch.Tensor, h: torch.Tensor, out: torch.Tensor, first: bool
-) -> None:
-    """Entries ``[e0, e1)`` of a tile's weight gradient: ``out[e0:e1] (+)= g[:, e0:e1].T @ h``."""
-    if first:
-        torch.mm(g[:, e0:e1].T, h, out=out[e0:e1])
-    else:
-        out[e0:e1].addmm_(g[:, e0:e1].T, h)

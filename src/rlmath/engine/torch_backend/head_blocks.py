@@ -1,29 +1,57 @@
-"""Blocks of the fused LM head's logits: ``hidden_chunk @ weight_tile.T (+ bias_tile)``.
+"""Blocks of the fused LM head's logits: ``hidden_rows @ weight_tile.T (+ bias_tile)``.
 
-Shared by the head's forward and backward passes. A block is computed into
-one reused buffer in the inputs' dtype (as ``hidden @ weight.T`` would be).
-On a CPU its matmuls run in pieces (:meth:`HeadBlocks.for_row_pieces`,
-:meth:`HeadBlocks.for_entry_pieces`), each piece a task for one worker thread
-(:mod:`rlmath.engine.torch_backend.workers`) that also runs the elementwise
-passes over its rows, in L2-sized slices
-(:func:`rlmath.engine.policy.elementwise_rows`). Every piece writes its own
-rows (or vocabulary entries) of the outputs, and the pieces' bounds never
-depend on the thread count, so neither do the results.
+Shared by the head's forward and backward passes, which are written per
+block: :meth:`HeadBlocks.run` calls them for every block of the grid of row
+spans × vocabulary tiles. On a CPU the rows are cut finely
+(:func:`rlmath.engine.policy.matmul_piece`) and the blocks shared out over
+worker threads in the order :func:`~rlmath.engine.torch_backend.workers.for_each_block`
+allows, each block's matmuls on one thread, followed by its elementwise passes
+in L2-sized slices (:func:`rlmath.engine.policy.elementwise_rows`). On an
+accelerator a block is a whole chunk × tile, run in order (every op is a
+kernel launch). Each worker owns its block buffers (:class:`BlockScratch`).
+The grid never depends on the thread count, and every sum over blocks is
+added in the same order, so neither do the results.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
 from rlmath import _device
-from rlmath.engine.policy import elementwise_rows, matmul_piece, spans, tile_spans
+from rlmath.engine.policy import (
+    HEAD_WORKERS,
+    elementwise_rows,
+    is_cpu,
+    matmul_piece,
+    spans,
+    tile_spans,
+)
 from rlmath.engine.torch_backend.buffers import TileWorkspace
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
+from rlmath.engine.torch_backend.workers import for_each_block, pass_workers
 
-__all__ = ["HeadBlocks"]
+__all__ = ["BlockScratch", "HeadBlocks"]
+
+
+class BlockScratch:
+    """One worker's buffers: a block's (``ws``) and an elementwise slice's (``small``).
+
+    ``ws`` holds the logits block and the other block-sized buffers; its
+    :meth:`~rlmath.engine.torch_backend.buffers.TileWorkspace.scratch` holds
+    the fp32 copies of a weight tile (kept while the worker stays in one
+    tile: :attr:`weight_tile`) and of a block's hidden rows.
+    """
+
+    def __init__(self, rows: int, width: int, sub: int, dtype: torch.dtype, device: torch.device):
+        self.ws = TileWorkspace(rows, width, dtype, device)
+        self.small = TileWorkspace(sub, width, dtype, device)
+        self.weight_tile: int | None = None  # the tile whose fp32 copy ws.scratch("w32") holds
+        self.hidden_span: tuple[int, int] | None = None  # the rows ws.scratch("h_live") holds
+
+    def begin_tile(self, v0: int, v1: int) -> None:
+        """Shape the buffers for the tile ``[v0, v1)``."""
+        self.ws.width = self.small.width = v1 - v0
 
 
 class HeadBlocks:
@@ -61,81 +89,107 @@ class HeadBlocks:
         softcap: float | None = None,
     ):
         if live is not None and _device.reads_host(hidden.device) and bool(live.all()):
-            live = None  # nothing to replace: skip the copy of every chunk
+            live = None  # nothing to replace: skip the copies of the hidden rows
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.labels, self.owned, self.live = labels, owned, live
         self.row_spans = spans(hidden.shape[0], rows)
         self.tile_spans = tile_spans(real, tile, hidden.device)
         c_max, w_max = min(rows, max(1, hidden.shape[0])), max(1, min(tile, real))
-        self.piece_rows = matmul_piece(c_max, hidden.device)
-        self.piece_entries = matmul_piece(w_max, hidden.device)
-        # Block-sized buffers (the logits block, the gradient block, matmul operands)...
-        self.ws = TileWorkspace(c_max, w_max, dtype, hidden.device)
-        # ...and slice-sized scratch for the elementwise passes.
-        self.sub = elementwise_rows(c_max, w_max, hidden.device)
-        self.small = TileWorkspace(self.sub, w_max, dtype, hidden.device)
-        # The slice scratch of every other thread that works on the slices
-        # (rlmath.engine.torch_backend.workers), made on first use.
-        self._w_max, self._dtype = w_max, dtype
-        self._small_of: dict[int, TileWorkspace] = {threading.get_ident(): self.small}
-        self._small_lock = threading.Lock()
+        self.row_major = not is_cpu(hidden.device)
+        if self.row_major:
+            # An accelerator: a block is a chunk × tile, the blocks run in order.
+            self.block_rows = self.row_spans
+            unit = c_max
+        else:
+            # A CPU: each chunk cut into pieces of rows, every piece × tile one
+            # block, one worker task; each of at most HEAD_WORKERS workers holds
+            # one block's buffers.
+            piece = matmul_piece(c_max, hidden.device)
+            self.block_rows = [
+                (r0 + a, r0 + b) for r0, r1 in self.row_spans for a, b in spans(r1 - r0, piece)
+            ]
+            unit = min(piece, c_max)
+        self.workers = min(
+            HEAD_WORKERS,
+            pass_workers(hidden.device, len(self.block_rows) * len(self.tile_spans)),
+        )
+        self.dtype = dtype
+        self._unit, self._w_max = unit, w_max
+        self.sub = elementwise_rows(unit, w_max, hidden.device)
+        # On a CPU the blocks of a row do not run one after another: the dead
+        # rows of hidden are replaced once for the whole pass.
+        self._hidden_live = None
+        if live is not None and not self.row_major:
+            self._hidden_live = torch.where(live[:, None], hidden, 0.0)
         self.scale, self.softcap = scale, softcap
         self.transform = scale != 1.0 or softcap is not None
 
-    def hidden_rows(self, r0: int, r1: int) -> torch.Tensor:
+    def scratch(self) -> BlockScratch:
+        """A new worker's buffers (see :class:`BlockScratch`)."""
+        return BlockScratch(self._unit, self._w_max, self.sub, self.dtype, self.hidden.device)
+
+    def run(
+        self,
+        work: Callable[[int, int, BlockScratch], None],
+        *,
+        along_rows: bool,
+        along_columns: bool,
+    ) -> None:
+        """``work(i, j, scratch)`` for block rows ``block_rows[i]`` × tile ``tile_spans[j]``, all blocks.
+
+        ``along_rows``: the blocks of a row run in tile order (they add into
+        that row's outputs); ``along_columns``: the blocks of a tile run in row
+        order. On an accelerator every block runs in order, row by row, on the
+        calling thread (one scratch, so per-row buffers can be reused).
+        """
+        if self.row_major:
+            buffers = self.scratch()
+            for i in range(len(self.block_rows)):
+                for j in range(len(self.tile_spans)):
+                    work(i, j, buffers)
+            return
+        for_each_block(
+            len(self.block_rows),
+            len(self.tile_spans),
+            work,
+            self.scratch,
+            self.workers,
+            along_rows=along_rows,
+            along_columns=along_columns,
+        )
+
+    def hidden_rows(self, r0: int, r1: int, scratch: BlockScratch) -> torch.Tensor:
         """``hidden[r0:r1]``, with the rows of dead (all-ignored) positions replaced by zeros."""
         if self.live is None:
             return self.hidden[r0:r1]
-        return torch.where(self.live[r0:r1, None], self.hidden[r0:r1], 0.0)
+        if self._hidden_live is not None:
+            return self._hidden_live[r0:r1]
+        out = scratch.ws.scratch("h_live", (r1 - r0, self.hidden.shape[1]), self.hidden.dtype)
+        if scratch.hidden_span != (r0, r1):
+            out.copy_(self.hidden[r0:r1]).masked_fill_(~self.live[r0:r1, None], 0.0)
+            scratch.hidden_span = (r0, r1)
+        return out
 
-    def begin_tile(self, v0: int, v1: int) -> None:
-        """Shape the block buffers (and every thread's slice scratch) for the tile ``[v0, v1)``.
+    def logits(self, scratch: BlockScratch, h: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+        """The block buffer of ``scratch``: ``h @ weight[v0:v1].T + bias[v0:v1]``.
 
-        Called before the pieces of a block start, and it creates the block
-        buffers the pieces write into: the workers only read shared state.
+        In the inputs' dtype; ``h`` is the block's hidden rows.
         """
-        self.ws.width = self.small.width = v1 - v0
-        self.ws.get("z", 1, dtype=self.hidden.dtype)
-        if self.transform:
-            self.ws.get("zt", 1)
-
-    def for_row_pieces(self, c: int, work: Callable[[int, int, TileWorkspace], None]) -> None:
-        """``work(a, b, slice_scratch)`` for every row piece of a ``c``-row block, on the workers.
-
-        One worker task per piece (see :func:`matmul_piece`); each worker gets
-        its own slice scratch (:meth:`small_scratch`).
-        """
-        pieces = spans(c, self.piece_rows)
-        for_each_chunk(
-            pieces, work, self.small_scratch, pass_workers(self.hidden.device, len(pieces))
-        )
-
-    def for_entry_pieces(self, width: int, work: Callable[[int, int, None], None]) -> None:
-        """``work(e0, e1, None)`` for every vocabulary-entry piece of a ``width``-wide tile."""
-        pieces = spans(width, self.piece_entries)
-        for_each_chunk(pieces, work, lambda: None, pass_workers(self.hidden.device, len(pieces)))
-
-    def logits(self, h: torch.Tensor, v0: int, v1: int, a: int = 0) -> torch.Tensor:
-        """Rows ``[a, a + len(h))`` of the block buffer: ``h @ weight[v0:v1].T + bias[v0:v1]``.
-
-        In the inputs' dtype; ``h`` is those rows of the block's hidden states.
-        """
-        out = self.ws.get("z", a + h.shape[0], dtype=h.dtype)[a:]
+        out = scratch.ws.get("z", h.shape[0], dtype=h.dtype)
         w = self.weight[v0:v1].T
         if self.bias is None:
             return torch.mm(h, w, out=out)
         return torch.addmm(self.bias[v0:v1], h, w, out=out)
 
-    def transformed(self, z: torch.Tensor, a: int = 0) -> torch.Tensor:
+    def transformed(self, scratch: BlockScratch, z: torch.Tensor) -> torch.Tensor:
         """The logits the softmax sees: ``softcap·tanh(scale·z / softcap)`` in the compute dtype.
 
         ``z`` itself when there is no transform (the passes upcast it element by
-        element); otherwise rows ``[a, a + len(z))`` of a compute-dtype block
-        buffer (``"zt"``).
+        element); otherwise a compute-dtype block buffer of ``scratch`` (``"zt"``).
         """
         if not self.transform:
             return z
-        out = torch.mul(z, self.scale, out=self.ws.get("zt", a + z.shape[0])[a:])
+        out = torch.mul(z, self.scale, out=scratch.ws.get("zt", z.shape[0]))
         if self.softcap is not None:
             out.div_(self.softcap).tanh_().mul_(self.softcap)
         return out
@@ -151,19 +205,8 @@ class HeadBlocks:
         return g.mul_(factor)
 
     def slices(self, c: int) -> list[tuple[int, int]]:
-        """Row slices of ``c`` rows of a block (a piece) for the elementwise passes."""
+        """Row slices of a ``c``-row block for the elementwise passes."""
         return spans(c, self.sub)
-
-    def small_scratch(self) -> TileWorkspace:
-        """The calling thread's slice scratch, shaped for the current tile (see :meth:`begin_tile`)."""
-        key = threading.get_ident()
-        with self._small_lock:
-            ws = self._small_of.get(key)
-            if ws is None:
-                ws = TileWorkspace(self.sub, self._w_max, self._dtype, self.hidden.device)
-                self._small_of[key] = ws
-        ws.width = self.small.width
-        return ws
 
     def tile_labels(self, r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index (c, K) into the tile, in-tile mask (c, K))`` of each row's labels."""

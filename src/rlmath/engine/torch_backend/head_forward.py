@@ -1,11 +1,12 @@
 """The fused LM head's forward pass: per-row statistics of ``hidden @ weight.T + bias``.
 
-For each chunk of rows and each vocabulary tile, one block of logits is
-computed and reduced piece by piece (:class:`HeadBlocks`, then
-:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`); the tiles'
-statistics are merged per row
-(:func:`rlmath.engine.stats.merge_tile_stats`), so only three numbers per row
-(and the label logits) outlive a block.
+For each block of rows × vocabulary tile (:class:`HeadBlocks`) the logits
+are computed and reduced slice by slice
+(:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`); the tiles'
+statistics are merged into the rows' running ones
+(:func:`rlmath.engine.stats.merge_tile_stats`) in tile order (the blocks of a
+row run one after another, those of different rows in parallel on a CPU), so
+only three numbers per row (and the label logits) outlive a block.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import functools
 import torch
 
 from rlmath.engine.stats import merge_tile_stats
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
-from rlmath.engine.torch_backend.head_blocks import HeadBlocks
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn
+from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
 from rlmath.engine.torch_backend.logits_forward import chunk_stats
 
 __all__ = ["head_stats"]
@@ -54,71 +55,58 @@ def head_stats(
     total_s = torch.zeros(N, dtype=dtype, device=dev)
     total_t = torch.zeros(N, dtype=dtype, device=dev) if want_entropy else None
     z_label = torch.zeros(labels.shape, dtype=dtype, device=dev)
-    for r0, r1 in blocks.row_spans:
-        h = blocks.hidden_rows(r0, r1)
-        c = r1 - r0
-        zero = torch.zeros(c, dtype=dtype, device=dev)
-        stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = (
-            torch.full((c,), float("-inf"), dtype=dtype, device=dev),
-            zero,
-            zero if want_entropy else None,
-        )
-        tm, ts = torch.empty_like(zero), torch.empty_like(zero)
-        tt = torch.empty_like(zero) if want_entropy else None
-        for v0, v1 in blocks.tile_spans:
-            blocks.begin_tile(v0, v1)
-            one_piece = functools.partial(
-                _piece_stats,
-                blocks=blocks,
-                h=h,
-                r0=r0,
-                tile=(v0, v1),
-                temp=temp,
-                entropy=want_entropy,
-                out=(tm, ts, tt),
-                z_label=z_label,
-            )
-            blocks.for_row_pieces(c, one_piece)
-            stats = merge_tile_stats(stats, (tm, ts, tt))
-        big[r0:r1], total_s[r0:r1] = stats[0], stats[1]
-        if total_t is not None and stats[2] is not None:
-            total_t[r0:r1] = stats[2]
+    one_block = functools.partial(
+        _block_stats,
+        blocks=blocks,
+        temp=temp,
+        entropy=want_entropy,
+        out=(big, total_s, total_t),
+        z_label=z_label,
+    )
+    blocks.run(one_block, along_rows=True, along_columns=False)
     if temp.col is not None:
         # Upcast, then divide by T: the rounding of the shifted block buffer.
         z_label = z_label / temp.col
     return big, total_s, total_t, z_label
 
 
-def _piece_stats(
-    a: int,
-    b: int,
-    ws: TileWorkspace,
+def _block_stats(
+    i: int,
+    j: int,
+    scratch: BlockScratch,
     *,
     blocks: HeadBlocks,
-    h: torch.Tensor,
-    r0: int,
-    tile: tuple[int, int],
     temp: TemperatureColumn,
     entropy: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     z_label: torch.Tensor,
 ) -> None:
-    """Rows ``[a, b)`` of one block (block rows from ``r0``): logits, label logits, statistics.
+    """Block ``(i, j)``: its logits, label logits, statistics merged into the rows' in ``out``.
 
-    The logits of those rows for the tile are computed into the block buffer and
-    reduced slice by slice (:func:`chunk_stats`) into rows ``[a, b)`` of ``out``.
+    The logits of rows ``block_rows[i]`` for tile ``tile_spans[j]`` are
+    computed into the block buffer, reduced slice by slice (:func:`chunk_stats`)
+    and merged into rows ``[r0, r1)`` of the running ``out = (m, s, t)``.
     """
-    v0, v1 = tile
-    z = blocks.transformed(blocks.logits(h[a:b], v0, v1, a), a)
-    idx, inside = blocks.tile_labels(r0 + a, r0 + b, v0, v1)
-    rows = slice(r0 + a, r0 + b)
-    z_label[rows] = torch.where(inside, z.gather(1, idx), z_label[rows])
-    tm, ts, tt = out
-    for s0, s1 in blocks.slices(b - a):
-        first = r0 + a + s0
+    (r0, r1), (v0, v1) = blocks.block_rows[i], blocks.tile_spans[j]
+    scratch.begin_tile(v0, v1)
+    h = blocks.hidden_rows(r0, r1, scratch)
+    z = blocks.transformed(scratch, blocks.logits(scratch, h, v0, v1))
+    idx, inside = blocks.tile_labels(r0, r1, v0, v1)
+    z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
+    c = r1 - r0
+    tm = torch.empty(c, dtype=z_label.dtype, device=z.device)
+    ts = torch.empty_like(tm)
+    tt = torch.empty_like(tm) if entropy else None
+    for s0, s1 in blocks.slices(c):
         cm, cs, ct = chunk_stats(
-            z[s0:s1], ws, temperature=temp.rows(first, first + s1 - s0), entropy=entropy
+            z[s0:s1], scratch.small, temperature=temp.rows(r0 + s0, r0 + s1), entropy=entropy
         )
-        tm[a + s0 : a + s1], ts[a + s0 : a + s1] = cm, cs
+        tm[s0:s1], ts[s0:s1] = cm, cs
         if tt is not None and ct is not None:
-            tt[a + s0 : a + s1] = ct
+            tt[s0:s1] = ct
+    big, total_s, total_t = out
+    old = (big[r0:r1], total_s[r0:r1], total_t[r0:r1] if total_t is not None else None)
+    m, s, t = merge_tile_stats(old, (tm, ts, tt))
+    big[r0:r1], total_s[r0:r1] = m, s
+    if total_t is not None and t is not None:
+        total_t[r0:r1] = t

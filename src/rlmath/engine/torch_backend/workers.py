@@ -16,6 +16,13 @@ fewer chunks. Each chunk is computed by the same ops in the same order
 whichever worker takes it, so the results do not depend on the number of
 threads. torch releases the GIL inside its ops, so the workers compute in
 parallel.
+
+The fused head's passes are a grid of blocks instead (rows of tokens ×
+vocabulary tiles) whose outputs are sums over a row (``grad_hidden``, the
+softmax statistics) or over a column (``grad_weight``):
+:func:`for_each_block` lets a block start once the blocks before it in its
+row and column are done, so every sum is added in the same order whichever
+worker runs which block, and still the workers synchronize once per pass.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from rlmath._threads import limit_threads
 
-__all__ = ["for_each_chunk", "pass_workers"]
+__all__ = ["for_each_block", "for_each_chunk", "pass_workers"]
 
 W = TypeVar("W")
 
@@ -131,3 +138,136 @@ def for_each_chunk(
             error = error or e
     if error is not None:
         raise error
+
+
+def for_each_block(
+    rows: int,
+    columns: int,
+    work: Callable[[int, int, W], None],
+    scratch: Callable[[], W],
+    workers: int,
+    *,
+    along_rows: bool,
+    along_columns: bool,
+) -> None:
+    """``work(i, j, scratch_of_this_worker)`` for every block of a ``rows × columns`` grid.
+
+    With ``along_rows`` block ``(i, j)`` starts only after ``(i, j - 1)`` has
+    finished, with ``along_columns`` only after ``(i - 1, j)``: ``work`` may then
+    add into outputs shared along a row (or column) without a lock, and the
+    additions happen in column (row) order whoever runs them, so the results
+    do not depend on ``workers``. Within those rules a worker that finishes a
+    block takes the next block of its column if it can (the operands of a
+    column stay in the cache), else the next of its row, else the ready block
+    of the lowest column. A worker slowed by a busy core holds up only the
+    blocks after its own; the others work on elsewhere in the grid, and the
+    workers synchronize once per call. With one worker the blocks run on the
+    calling thread, column by column. An exception in any worker stops the
+    others after their current block and is raised here.
+    """
+    if workers > 1 and _dispatch_mode_active():
+        workers = 1  # a TorchDispatchMode sees the calling thread only (see for_each_chunk)
+    if rows <= 0 or columns <= 0:
+        return
+    if workers <= 1:
+        buffers = scratch()
+        for j in range(columns):
+            for i in range(rows):
+                work(i, j, buffers)
+        return
+    grid = _BlockGrid(rows, columns, along_rows, along_columns)
+
+    def worker() -> None:
+        buffers = scratch()
+        done: tuple[int, int] | None = None
+        with torch.no_grad(), limit_threads(1):
+            while True:
+                block = grid.take(done)
+                if block is None:
+                    return
+                try:
+                    work(block[0], block[1], buffers)
+                except BaseException:
+                    grid.fail()
+                    raise
+                done = block
+
+    pool = _shared_pool()
+    helpers: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
+    error: BaseException | None = None
+    try:
+        worker()
+    except BaseException as e:
+        error = e
+    for f in helpers:
+        if f.cancel():
+            continue
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
+class _BlockGrid:
+    """The state of a :func:`for_each_block` call: which blocks are done, ready and taken."""
+
+    def __init__(self, rows: int, columns: int, along_rows: bool, along_columns: bool):
+        self.rows, self.columns = rows, columns
+        self.along_rows, self.along_columns = along_rows, along_columns
+        # Blocks finished in each row (along_rows: always its first ones) and column.
+        self.row_done = [0] * rows
+        self.column_done = [0] * columns
+        self.left = rows * columns
+        self.failed = False
+        self.started: set[tuple[int, int]] = set()
+        self.ready = {
+            (i, j)
+            for i in range(1 if along_columns else rows)
+            for j in range(1 if along_rows else columns)
+        }
+        self.cond = threading.Condition()
+
+    def _can_start(self, i: int, j: int) -> bool:
+        return (not self.along_rows or self.row_done[i] == j) and (
+            not self.along_columns or self.column_done[j] == i
+        )
+
+    def take(self, done: tuple[int, int] | None) -> tuple[int, int] | None:
+        """Mark ``done`` finished and return the next block to run (``None``: nothing left)."""
+        with self.cond:
+            if done is not None:
+                i, j = done
+                self.left -= 1
+                self.row_done[i] += 1
+                self.column_done[j] += 1
+                for nxt in ((i + 1, j), (i, j + 1)):
+                    inside = nxt[0] < self.rows and nxt[1] < self.columns
+                    if inside and nxt not in self.started and self._can_start(*nxt):
+                        self.ready.add(nxt)
+                self.cond.notify_all()
+            while True:
+                if self.failed or (not self.ready and self.left == 0):
+                    return None
+                if self.ready:
+                    break
+                self.cond.wait()
+            block: tuple[int, int] | None = None
+            if done is not None:
+                for nxt in ((done[0] + 1, done[1]), (done[0], done[1] + 1)):
+                    if nxt in self.ready:
+                        block = nxt
+                        break
+            if block is None:
+                block = min(self.ready, key=lambda b: (b[1], b[0]))
+            self.ready.discard(block)
+            self.started.add(block)
+            # Taken blocks still count in `left` until done: waiting workers wake
+            # when a block finishes and either find a ready one or leave at zero.
+            return block
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
