@@ -68,7 +68,8 @@ def log_probs_and_entropy_from_hidden(
             temperature are not read by the math, so NaN or 0 there is
             harmless). ``None``: every label is a token id.
         chunk_size: tokens per block; ``None`` picks 2048 on a CPU and 4096 on an
-            accelerator (fewer for short inputs).
+            accelerator (fewer for short inputs). On a CPU each worker thread
+            works on pieces of at most 512 of them at a time.
         vocab_chunk_size: vocabulary entries per block; ``None`` fills a block of
             8M entries on a CPU, 32M on an accelerator (at most 1/64 or 1/48 of
             the logits). Both change speed and memory only
