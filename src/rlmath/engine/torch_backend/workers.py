@@ -120,6 +120,11 @@ def for_each_chunk(
                     failed.set()
                     raise
 
+    _share_out(worker, workers)
+
+
+def _share_out(worker: Callable[[], None], workers: int) -> None:
+    """``worker()`` on the calling thread and on ``workers - 1`` pool threads; the first error raised."""
     pool = _shared_pool()
     helpers: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
     # The calling thread works too: the pass finishes even when every pool
@@ -131,7 +136,7 @@ def for_each_chunk(
         error = e
     for f in helpers:
         if f.cancel():
-            continue  # never started: the other workers took every range
+            continue  # never started: the other workers did all the work
         try:
             f.result()
         except BaseException as e:
@@ -192,22 +197,7 @@ def for_each_block(
                     raise
                 done = block
 
-    pool = _shared_pool()
-    helpers: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
-    error: BaseException | None = None
-    try:
-        worker()
-    except BaseException as e:
-        error = e
-    for f in helpers:
-        if f.cancel():
-            continue
-        try:
-            f.result()
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise error
+    _share_out(worker, workers)
 
 
 class _BlockGrid:
