@@ -212,6 +212,27 @@ def test_empty_batch():
     assert hidden.grad.shape == (0, 5) and weight.grad.eq(0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_empty_hidden_size_gives_the_softmax_of_the_bias(dtype):
+    # H = 0: every logit is its bias (0 without one), whatever the hidden rows.
+    hidden = torch.zeros(2, 3, 0, dtype=dtype, requires_grad=True)
+    weight = torch.zeros(7, 0, dtype=dtype, requires_grad=True)
+    bias = make((7,), dtype, seed=4, requires_grad=True)
+    labels = torch.tensor([[0, 6, 2], [5, -100, 1]])
+    for b in (None, bias):
+        lp, ent = fused(hidden, weight, labels, bias=b)
+        z = torch.zeros(2, 3, 7, dtype=torch.float64) + (0.0 if b is None else b.double())
+        ref_lp, ref_ent = ref_from_logits(z, labels)
+        tol = (
+            {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {"atol": 1e-6, "rtol": 0}
+        )
+        torch.testing.assert_close(lp.double(), ref_lp, **tol)
+        torch.testing.assert_close(ent.double(), ref_ent, **tol)
+        (lp.sum() + ent.sum()).backward()
+        assert hidden.grad.shape == (2, 3, 0) and weight.grad.shape == (7, 0)
+    assert bias.grad is not None and bias.grad.isfinite().all()
+
+
 def test_ignore_index_values():
     hidden = make((6, 4))
     weight = make((10, 4), seed=1)

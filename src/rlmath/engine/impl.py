@@ -348,6 +348,11 @@ def _head_setup(
     return cdt, real, group, lab, temp, tiles
 
 
+def _rows(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` as ``(N, H)``: its leading dims flattened (also for ``H = 0``)."""
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
+
+
 def head_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -360,7 +365,7 @@ def head_forward(
     cdt, real, group, lab, temp, (rows, tile) = _head_setup(
         hidden, weight, labels, temperature, cfg
     )
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = _rows(hidden)
     kernels = get_kernels(cfg.backend)
     m, s, t, z = kernels.head_stats(  # type: ignore[misc]
         h2,
@@ -424,7 +429,7 @@ def head_backward(
     reduce = group is not None and cfg.reduce_grad_hidden
     kernels = get_kernels(cfg.backend)
     gh, gw, gb = kernels.head_grad(  # type: ignore[misc]
-        hidden.reshape(-1, hidden.shape[-1]),
+        _rows(hidden),
         weight,
         bias,
         lab.local,
