@@ -13,6 +13,7 @@ Profiles (``HYPOTHESIS_PROFILE`` picks one):
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -40,3 +41,18 @@ def _profile() -> str:
 settings.load_profile(_profile())
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(params=["blas", "onednn"])
+def matmul_library(request, monkeypatch):
+    """Run the test with the fused head's fp32 CPU matmuls in torch's BLAS, then in oneDNN.
+
+    Whichever this machine would pick (:mod:`rlmath.engine.torch_backend.cpu_matmul`),
+    both paths are tested; oneDNN is skipped where this torch build lacks it.
+    """
+    from rlmath.engine.torch_backend import cpu_matmul
+
+    if request.param == "onednn" and not cpu_matmul.onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(cpu_matmul, "_machine_choice", lambda: request.param == "onednn")
+    return request.param

@@ -406,7 +406,9 @@ def workers_used(monkeypatch):
 @pytest.mark.parametrize(
     ("softcap", "dtype"), [(None, "float32"), (30.0, "float32"), (None, "bfloat16")]
 )
-def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(threads, softcap, dtype, workers_used):
+def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(
+    threads, softcap, dtype, workers_used, matmul_library
+):
     from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
     g = torch.Generator().manual_seed(2)

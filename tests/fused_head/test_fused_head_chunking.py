@@ -18,6 +18,9 @@ from rlmath.engine.policy import (
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from tests.fused_head.reference import make, make_labels
 
+# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
+pytestmark = pytest.mark.usefixtures("matmul_library")
+
 
 @given(total=st.integers(0, 5000), step=st.integers(1, 700))
 def test_spans_cover_the_range_in_even_pieces(total, step):

@@ -9,6 +9,9 @@ from torch.autograd import gradcheck
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from tests.fused_head.reference import make, make_labels, ref_from_logits, ref_fused
 
+# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
+pytestmark = pytest.mark.usefixtures("matmul_library")
+
 fused = log_probs_and_entropy_from_hidden
 
 # Which outputs the loss uses: a function of (log_probs, entropy) to differentiate.

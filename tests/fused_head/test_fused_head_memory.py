@@ -9,6 +9,9 @@ from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.logprobs import log_probs_and_entropy_from_logits
 from tests.memory_tracker import MemoryTracker
 
+# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
+pytestmark = pytest.mark.usefixtures("matmul_library")
+
 N, H, V = 256, 16, 2000
 ROWS, TILE = 32, 400
 

@@ -9,6 +9,9 @@ from torch.autograd import gradcheck
 from rlmath import log_probs_and_entropy_from_hidden as fused
 from tests.fused_head.reference import make, make_labels
 
+# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
+pytestmark = pytest.mark.usefixtures("matmul_library")
+
 N, H, V = 9, 5, 23
 
 

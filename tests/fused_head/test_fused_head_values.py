@@ -19,6 +19,9 @@ from tests.fused_head.reference import (
     ref_fused,
 )
 
+# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
+pytestmark = pytest.mark.usefixtures("matmul_library")
+
 fused = log_probs_and_entropy_from_hidden
 
 

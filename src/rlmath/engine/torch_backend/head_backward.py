@@ -12,7 +12,9 @@ over the workers within those two orders
 (:func:`~rlmath.engine.torch_backend.workers.for_each_block`), each block one
 worker task on one thread, so the sums do not depend on the thread count.
 
-For half-precision inputs on a CPU the weight tile and hidden chunk are upcast
+On a CPU the fp32 matmuls run in torch's BLAS or in oneDNN, whichever the
+machine runs faster (:mod:`~rlmath.engine.torch_backend.cpu_matmul`). For
+half-precision inputs on a CPU the weight tile and hidden chunk are upcast
 for these matmuls; on an accelerator ``g`` is rounded to the inputs' dtype and
 the matmuls run in half precision (tensor cores), each product added to fp32
 accumulators (:func:`rlmath.engine.policy.half_matmuls_pay`). Either way
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from rlmath.engine import policy
+from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
 from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
 from rlmath.engine.torch_backend.logits_backward import chunk_grad
@@ -163,7 +166,7 @@ def _block_grad(
     z = blocks.transformed(scratch, blocks.logits(scratch, h, v0, v1))
     # In place over the logits block when it is already a compute-dtype buffer
     # of its own; a transformed block is still needed by the chain rule.
-    g = ws.get("z", c) if h.dtype == cdt and not blocks.transform else ws.get("g", c)
+    g = z if h.dtype == cdt and not blocks.transform else ws.get("g", c)
     lse, alpha, beta, w = coefficients
     idx, inside = blocks.tile_labels(r0, r1, v0, v1)
     w_in = torch.where(inside, w[r0:r1], 0.0) if w is not None else None
@@ -198,6 +201,7 @@ def _block_grad(
             first_w=i == 0,
         )
     else:
+        onednn = cpu_matmul.uses_onednn(cdt, g.device)
         if acc is not None:
             w_tile = weight[v0:v1]
             if w_tile.dtype != cdt:
@@ -205,16 +209,10 @@ def _block_grad(
                 if scratch.weight_tile != j:
                     w_tile.copy_(weight[v0:v1])
                     scratch.weight_tile = j
-            if j == 0:
-                torch.mm(g, w_tile, out=acc)
-            else:
-                acc.addmm_(g, w_tile)
+            cpu_matmul.add_mm_(acc, g, w_tile, first=j == 0, onednn=onednn)
         if out.grad_w is not None:
             h_c = ws.scratch("h32", (c, H), cdt).copy_(h) if h.dtype != cdt else h
-            if i == 0:
-                torch.mm(g.T, h_c, out=out.grad_w[v0:v1])
-            else:
-                out.grad_w[v0:v1].addmm_(g.T, h_c)
+            cpu_matmul.add_mm_(out.grad_w[v0:v1], g.T, h_c, first=i == 0, onednn=onednn)
     if out.grad_b is not None:
         out.grad_b[v0:v1] += g.sum(0)
     if last and acc is not None and out.grad_h is not None and out.acc_h is not out.grad_h:

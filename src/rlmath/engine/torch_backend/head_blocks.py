@@ -8,7 +8,10 @@ worker threads in the order :func:`~rlmath.engine.torch_backend.workers.for_each
 allows, each block's matmuls on one thread, followed by its elementwise passes
 in L2-sized slices (:func:`rlmath.engine.policy.elementwise_rows`). On an
 accelerator a block is a whole chunk × tile, run in order (every op is a
-kernel launch). Each worker owns its block buffers (:class:`BlockScratch`).
+kernel launch). Each worker owns its block buffers (:class:`BlockScratch`);
+where a CPU's fp32 matmuls run in oneDNN
+(:mod:`~rlmath.engine.torch_backend.cpu_matmul`), which writes its results
+to new tensors, a block's logits are a new tensor instead of a buffer.
 The grid never depends on the thread count, and every sum over blocks is
 added in the same order, so neither do the results.
 """
@@ -28,6 +31,7 @@ from rlmath.engine.policy import (
     spans,
     tile_spans,
 )
+from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.engine.torch_backend.buffers import TileWorkspace
 from rlmath.engine.torch_backend.workers import for_each_block, pass_workers
 
@@ -171,15 +175,18 @@ class HeadBlocks:
         return out
 
     def logits(self, scratch: BlockScratch, h: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
-        """The block buffer of ``scratch``: ``h @ weight[v0:v1].T + bias[v0:v1]``.
+        """``h @ weight[v0:v1].T + bias[v0:v1]``, a block buffer of its own.
 
-        In the inputs' dtype; ``h`` is the block's hidden rows.
+        In the inputs' dtype; ``h`` is the block's hidden rows. With torch's
+        BLAS it is the ``"z"`` buffer of ``scratch``; where the matmul runs in
+        oneDNN (:mod:`~rlmath.engine.torch_backend.cpu_matmul`) a new tensor.
         """
-        out = scratch.ws.get("z", h.shape[0], dtype=h.dtype)
+        bias = self.bias[v0:v1] if self.bias is not None else None
         w = self.weight[v0:v1].T
-        if self.bias is None:
-            return torch.mm(h, w, out=out)
-        return torch.addmm(self.bias[v0:v1], h, w, out=out)
+        if cpu_matmul.uses_onednn(h.dtype, h.device):
+            return cpu_matmul.mm(h, w, bias=bias, onednn=True)
+        out = scratch.ws.get("z", h.shape[0], dtype=h.dtype)
+        return cpu_matmul.mm(h, w, out=out, bias=bias, onednn=False)
 
     def transformed(self, scratch: BlockScratch, z: torch.Tensor) -> torch.Tensor:
         """The logits the softmax sees: ``softcap·tanh(scale·z / softcap)`` in the compute dtype.
