@@ -21,6 +21,7 @@ from rlmath import cli
 from rlmath.bench import BenchSettingError, baselines, fused_head, logprobs, run, session
 from rlmath.bench.advantages import GAMMA_LAM, gae_inputs, outcome_inputs
 from rlmath.bench.busy import BusyLoad, check_busy_cores
+from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
 CORES = os.cpu_count() or 1
@@ -147,15 +148,19 @@ def test_logprobs_table_names_rlmath_and_the_baseline(capsys):
     assert rows[0][5] == "1.00" and rows[0][7] == "1.00"  # the baseline's own ratio
 
 
-def test_fused_head_table_names_rlmath_and_the_baseline(capsys):
+def test_fused_head_table_names_rlmath_and_the_baselines(capsys, matmul_library):
     with session(peers=False) as setting:
         fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["float32"])
-    rows = _table_rows(capsys.readouterr().out, "N×H×V")
-    assert [row[2] for row in rows] == ["unfused", "rlmath fused", fused_head.FLOOR]
+    out = capsys.readouterr().out
+    library = "oneDNN" if matmul_library == "onednn" else "torch's BLAS"
+    assert f"the fused head's fp32 matmuls: {library}" in out
+    rows = _table_rows(out, "N×H×V")
+    onednn_row = [fused_head.ONEDNN_UNFUSED] if cpu_matmul.onednn_available() else []
+    assert [row[2] for row in rows] == ["unfused", "rlmath fused", *onednn_row, fused_head.FLOOR]
     assert rows[0][4] == "1.00"
-    for row in rows[:2]:
+    for row in rows[:-1]:
         assert all(float(e) < 1e-4 for e in row[-1].split(" / "))
-    assert rows[2][5:] == ["—", "—", "—"] and float(rows[2][4]) > 0  # times only
+    assert rows[-1][5:] == ["—", "—", "—"] and float(rows[-1][4]) > 0  # times only
 
 
 def test_fused_head_table_has_no_floor_for_half_inputs(capsys):
@@ -191,7 +196,7 @@ def test_naive_log_probs_and_unfused_head_match_rlmath():
     torch.testing.assert_close(unfused_ent, fused_ent)
 
 
-def test_recompute_matmuls_are_the_four_products():
+def test_recompute_matmuls_are_the_four_products(matmul_library):
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(12, 8, generator=g), torch.randn(50, 8, generator=g)
     h64, w64 = hidden.double(), weight.double()
@@ -206,6 +211,45 @@ def test_recompute_matmuls_are_the_four_products():
     bound_w = (8 + 12 + 1) * u * ((h64.abs() @ w64.abs().T).T @ h64.abs())
     assert ((for_hidden.double() - z @ w64).abs() <= bound_h).all()
     assert ((for_weight.double() - z.T @ h64).abs() <= bound_w).all()
+
+
+needs_onednn = pytest.mark.skipif(
+    not cpu_matmul.onednn_available(), reason="this torch build has no oneDNN"
+)
+
+
+@needs_onednn
+def test_unfused_head_onednn_matches_the_unfused_head_within_fp32_rounding():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 64, generator=g, dtype=torch.float64)
+    weight = torch.randn(300, 64, generator=g, dtype=torch.float64) * 0.2
+    labels = torch.randint(0, 300, (40,), generator=g)
+    up_lp, up_ent = torch.randn(2, 40, generator=g, dtype=torch.float64)
+
+    def run(fn, dtype):
+        h = hidden.detach().to(dtype).requires_grad_()
+        w = weight.detach().to(dtype).requires_grad_()
+        lp, ent = fn(h, w, labels)
+        torch.autograd.backward([lp, ent], [up_lp.to(lp.dtype), up_ent.to(ent.dtype)])
+        return lp, ent, h.grad, w.grad
+
+    ref = run(baselines.unfused_head, torch.float64)
+    ours = run(baselines.unfused_head_onednn, torch.float32)
+    # fp32 logits (64-term products), softmax and gradient products of up to
+    # 300 (grad_hidden) or 40 (grad_weight) terms: a 2e-5 bar on values of O(1)
+    # is well above their rounding (the fp64 run takes torch's matmuls).
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
+
+
+def test_the_onednn_linear_of_the_baseline_passes_gradcheck():
+    # fp64 runs torch's matmuls through the same forward and backward formulas.
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(baselines._OnednnLinear.apply, (h, w))
+    w_frozen = w.detach()
+    assert torch.autograd.gradcheck(lambda x: baselines._OnednnLinear.apply(x, w_frozen), (h,))
 
 
 @pytest.mark.parametrize(("gamma", "lam"), GAMMA_LAM)

@@ -10,9 +10,14 @@ result:
   ``log_softmax``.
 * fused head: :func:`unfused_head` materializes the logits ``hidden @
   weight.T`` and hands them to rlmath's log-probs and entropy, so that the
-  comparison isolates the fusion. :func:`recompute_matmuls` is not an
-  implementation but a bound: the four matmuls any head that recomputes its
-  logits in backward must run, with nothing else.
+  comparison isolates the fusion. :func:`unfused_head_onednn` is the same
+  with its three matmuls in oneDNN, the library the fused head's fp32 CPU
+  matmuls run in on some machines
+  (:mod:`rlmath.engine.torch_backend.cpu_matmul`): it shows what the choice
+  of matmul library is worth apart from the fusion. :func:`recompute_matmuls`
+  is not an implementation but a bound: the four matmuls any head that
+  recomputes its logits in backward must run, with nothing else, in the
+  library the fused head uses.
 * GAE: :func:`gae_loop`, the backward loop over ``T``, one step of tensor
   ops over the batch per time step, with rlmath's multi-turn semantics
   (masked tokens are skipped).
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.logprobs import log_probs_and_entropy_from_logits
 
 __all__ = [
@@ -52,6 +58,7 @@ __all__ = [
     "reinforce_plus_plus_baseline_loop",
     "rloo_loop",
     "unfused_head",
+    "unfused_head_onednn",
 ]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -75,6 +82,37 @@ def unfused_head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return log_probs_and_entropy_from_logits(hidden @ weight.T, labels)
 
 
+class _OnednnLinear(torch.autograd.Function):
+    """``hidden @ weight.T`` whose three matmuls (forward and both gradients) run in oneDNN.
+
+    fp32 only: oneDNN's CPU matmuls; any other dtype takes torch's (``torch.mm``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return cpu_matmul.mm(hidden, weight.T, onednn=hidden.dtype == torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        hidden, weight = ctx.saved_tensors
+        onednn = grad.dtype == torch.float32
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = cpu_matmul.mm(grad, weight, onednn=onednn)
+        if ctx.needs_input_grad[1]:
+            grad_weight = cpu_matmul.mm(grad.T, hidden, onednn=onednn)
+        return grad_hidden, grad_weight
+
+
+def unfused_head_onednn(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> Pair:
+    """:func:`unfused_head` with its three matmuls in oneDNN (fp32 CPU tensors).
+
+    Shape: ``(N, H)``, ``(V, H)``, ``(N,)`` → ``((N,), (N,))``.
+    """
+    return log_probs_and_entropy_from_logits(_OnednnLinear.apply(hidden, weight), labels)
+
+
 @torch.no_grad()
 def recompute_matmuls(hidden: torch.Tensor, weight: torch.Tensor) -> Pair:
     """The four ``N·V·H`` matmuls of a head that recomputes its logits, and nothing else.
@@ -84,13 +122,16 @@ def recompute_matmuls(hidden: torch.Tensor, weight: torch.Tensor) -> Pair:
     ``z`` standing in for the logits' gradient ``g`` (same shape and dtype, so
     the same cost). The unfused path runs three of them (its backward reuses
     the stored logits), so on hardware where the matmuls are most of the time
-    this is the least a memory-bounded head can take. Shape: ``(N, H)``,
-    ``(V, H)`` → ``((N, H), (V, H))``.
+    this is the least a memory-bounded head can take. They run in the
+    library the fused head's matmuls of this dtype use
+    (:func:`rlmath.engine.torch_backend.cpu_matmul.uses_onednn`). Shape:
+    ``(N, H)``, ``(V, H)`` → ``((N, H), (V, H))``.
     """
     hidden, weight = hidden.detach(), weight.detach()
-    z = hidden @ weight.T
-    torch.mm(hidden, weight.T, out=z)  # the recomputation in backward
-    return z @ weight, z.T @ hidden
+    onednn = cpu_matmul.uses_onednn(hidden.dtype, hidden.device)
+    z = cpu_matmul.mm(hidden, weight.T, onednn=onednn)
+    z = cpu_matmul.mm(hidden, weight.T, onednn=onednn)  # the recomputation in backward
+    return cpu_matmul.mm(z, weight, onednn=onednn), cpu_matmul.mm(z.T, hidden, onednn=onednn)
 
 
 # ----------------------------------------------------------------------------- GAE

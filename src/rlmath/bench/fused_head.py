@@ -9,14 +9,21 @@ and weight require grad, no bias) with:
 * ``rlmath fused``: :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`;
 * ``verl FusedLinearForPPO`` (``verl.utils.experimental.torch_functional``,
   its default chunk of 512 tokens) when peers are on and it imports;
+* for fp32 inputs on a CPU with oneDNN, ``unfused, oneDNN matmuls``:
+  :func:`~rlmath.bench.baselines.unfused_head_onednn`, the unfused path with
+  its three matmuls in oneDNN instead of torch's BLAS. Where the fused head's
+  matmuls run in oneDNN (:mod:`rlmath.engine.torch_backend.cpu_matmul`, named
+  in the line above the table), the head's time against this row is the
+  cost of the fusion alone, against ``unfused`` that of the fusion and the
+  faster library together;
 * for fp32 inputs, ``4 matmuls (recompute floor)``:
   :func:`~rlmath.bench.baselines.recompute_matmuls`, only the four matmuls a
-  head that recomputes its logits runs (the unfused path runs three), timed
-  in the same rounds. It computes no log-probs, so its memory and error
-  columns are empty; its ratio is the least a memory-bounded head can reach
-  on that machine when the matmuls are most of the time. (Half-precision
-  heads run their gradient matmuls in another dtype on some devices, so
-  there the floor is not shown.)
+  head that recomputes its logits runs (the unfused path runs three), in the
+  library the head uses, timed in the same rounds. It computes no log-probs,
+  so its memory and error columns are empty; its ratio is the least a
+  memory-bounded head can reach on that machine when the matmuls are most of
+  the time. (Half-precision heads run their gradient matmuls in another
+  dtype on some devices, so there the floor is not shown.)
 
 Columns: median forward+backward time over the repeats (the implementations
 take turns run by run, in one process, so that load from other processes
@@ -52,15 +59,18 @@ from rlmath.bench.setting import (
     release_memory,
 )
 from rlmath.bench.tables import fused_header, print_header, print_rows, significant
+from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
 __all__ = [
     "DEFAULT_REPEATS",
     "FLOOR",
     "FULL_SHAPES",
+    "ONEDNN_UNFUSED",
     "QUICK_SHAPES",
     "bench_case",
     "implementations",
+    "matmul_library",
     "run",
 ]
 
@@ -73,6 +83,8 @@ DEFAULT_REPEATS = 5
 ERROR_ROWS = 64
 #: The name of the row that times the four matmuls of a recomputing head alone.
 FLOOR = "4 matmuls (recompute floor)"
+#: The name of the row of the unfused path with its matmuls in oneDNN.
+ONEDNN_UNFUSED = "unfused, oneDNN matmuls"
 
 
 def find_peers(enabled: bool) -> dict[str, Impl]:
@@ -97,9 +109,27 @@ def _rlmath_fused(
     return lp, ent
 
 
-def implementations(peers: dict[str, Impl]) -> dict[str, Impl]:
-    """The implementations of one case, the baseline first."""
-    return {"unfused": baselines.unfused_head, "rlmath fused": _rlmath_fused, **peers}
+def implementations(
+    peers: dict[str, Impl], dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> dict[str, Impl]:
+    """The implementations of one case, the baseline first.
+
+    :data:`ONEDNN_UNFUSED` is among them for fp32 on a CPU (``device`` ``None``)
+    where torch has oneDNN.
+    """
+    impls: dict[str, Impl] = {"unfused": baselines.unfused_head, "rlmath fused": _rlmath_fused}
+    cpu = device is None or device.type == "cpu"
+    if cpu and dtype == torch.float32 and cpu_matmul.onednn_available():
+        impls[ONEDNN_UNFUSED] = baselines.unfused_head_onednn
+    return {**impls, **peers}
+
+
+def matmul_library(device: torch.device) -> str:
+    """Where the fused head's fp32 matmuls run on ``device``, for the line above the table."""
+    if device.type != "cpu":
+        return "torch"
+    onednn = cpu_matmul.uses_onednn(torch.float32, device)
+    return "oneDNN" if onednn else "torch's BLAS"
 
 
 def _forward_backward(
@@ -146,7 +176,7 @@ def bench_case(
     weight = (torch.randn(v, h, generator=g) * h**-0.5 * 2).to(dtype).to(device)
     labels = torch.randint(0, v, (n,), generator=g).to(device)
     grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
-    impls = implementations(peers)
+    impls = implementations(peers, dtype, device)
     peaks = {}
     for name, fn in impls.items():  # also the warm-up
         kept, peak = peak_bytes(
@@ -206,7 +236,9 @@ def run(
         shapes = QUICK_SHAPES if quick else FULL_SHAPES
     peers = find_peers(setting.peers)
     print("### Fused LM head\n")
-    print(header(setting, repeats, peers=f"verl: {'yes' if peers else 'no'}") + "\n")
+    verl = f"verl: {'yes' if peers else 'no'}"
+    library = f"the fused head's fp32 matmuls: {matmul_library(setting.device)}"
+    print(header(setting, repeats, peers=f"{verl}; {library}") + "\n")
     print_header(fused_header("ms" if setting.device.type == "cuda" else "s"))
     for n, h, v in shapes:
         for dtype in torch_dtypes:
