@@ -14,10 +14,7 @@ result:
   with its three matmuls in oneDNN, the library the fused head's fp32 CPU
   matmuls run in on some machines
   (:mod:`rlmath.engine.torch_backend.cpu_matmul`): it shows what the choice
-  of matmul library is worth apart from the fusion. :func:`recompute_matmuls`
-  is not an implementation but a bound: the four matmuls any head that
-  recomputes its logits in backward must run, with nothing else, in the
-  library the fused head uses.
+  of matmul library is worth apart from the fusion.
 * GAE: :func:`gae_loop`, the backward loop over ``T``, one step of tensor
   ops over the batch per time step, with rlmath's multi-turn semantics
   (masked tokens are skipped).
@@ -54,7 +51,6 @@ __all__ = [
     "naive_log_probs",
     "naive_log_probs_and_entropy",
     "opo_loop",
-    "recompute_matmuls",
     "reinforce_plus_plus_baseline_loop",
     "rloo_loop",
     "unfused_head",
@@ -111,27 +107,6 @@ def unfused_head_onednn(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     Shape: ``(N, H)``, ``(V, H)``, ``(N,)`` → ``((N,), (N,))``.
     """
     return log_probs_and_entropy_from_logits(_OnednnLinear.apply(hidden, weight), labels)
-
-
-@torch.no_grad()
-def recompute_matmuls(hidden: torch.Tensor, weight: torch.Tensor) -> Pair:
-    """The four ``N·V·H`` matmuls of a head that recomputes its logits, and nothing else.
-
-    The logits ``z = hidden @ weight.T`` in forward and again in backward, then
-    the two gradient matmuls ``g @ weight`` and ``g.T @ hidden``, here with
-    ``z`` standing in for the logits' gradient ``g`` (same shape and dtype, so
-    the same cost). The unfused path runs three of them (its backward reuses
-    the stored logits), so on hardware where the matmuls are most of the time
-    this is the least a memory-bounded head can take. They run in the
-    library the fused head's matmuls of this dtype use
-    (:func:`rlmath.engine.torch_backend.cpu_matmul.uses_onednn`). Shape:
-    ``(N, H)``, ``(V, H)`` → ``((N, H), (V, H))``.
-    """
-    hidden, weight = hidden.detach(), weight.detach()
-    onednn = cpu_matmul.uses_onednn(hidden.dtype, hidden.device)
-    z = cpu_matmul.mm(hidden, weight.T, onednn=onednn)
-    z = cpu_matmul.mm(hidden, weight.T, onednn=onednn)  # the recomputation in backward
-    return cpu_matmul.mm(z, weight, onednn=onednn), cpu_matmul.mm(z.T, hidden, onednn=onednn)
 
 
 # ----------------------------------------------------------------------------- GAE

@@ -15,15 +15,7 @@ and weight require grad, no bias) with:
   matmuls run in oneDNN (:mod:`rlmath.engine.torch_backend.cpu_matmul`, named
   in the line above the table), the head's time against this row is the
   cost of the fusion alone, against ``unfused`` that of the fusion and the
-  faster library together;
-* for fp32 inputs, ``4 matmuls (recompute floor)``:
-  :func:`~rlmath.bench.baselines.recompute_matmuls`, only the four matmuls a
-  head that recomputes its logits runs (the unfused path runs three), in the
-  library the head uses, timed in the same rounds. It computes no log-probs,
-  so its memory and error columns are empty; its ratio is the least a
-  memory-bounded head can reach on that machine when the matmuls are most of
-  the time. (Half-precision heads run their gradient matmuls in another
-  dtype on some devices, so there the floor is not shown.)
+  faster library together.
 
 Columns: median forward+backward time over the repeats (the implementations
 take turns run by run, in one process, so that load from other processes
@@ -64,7 +56,6 @@ from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
 __all__ = [
     "DEFAULT_REPEATS",
-    "FLOOR",
     "FULL_SHAPES",
     "ONEDNN_UNFUSED",
     "QUICK_SHAPES",
@@ -81,8 +72,6 @@ QUICK_SHAPES: tuple[tuple[int, int, int], ...] = ((512, 64, 32000), (256, 32, 15
 DTYPES = ("float32", "bfloat16")
 DEFAULT_REPEATS = 5
 ERROR_ROWS = 64
-#: The name of the row that times the four matmuls of a recomputing head alone.
-FLOOR = "4 matmuls (recompute floor)"
 #: The name of the row of the unfused path with its matmuls in oneDNN.
 ONEDNN_UNFUSED = "unfused, oneDNN matmuls"
 
@@ -189,9 +178,6 @@ def bench_case(
         name: partial(_forward_backward, fn, hidden, weight, labels, grads)
         for name, fn in impls.items()
     }
-    if dtype == torch.float32:
-        runs[FLOOR] = partial(baselines.recompute_matmuls, hidden, weight)
-        runs[FLOOR]()  # its warm-up (the others warmed up in the memory runs)
     times = interleaved(runs, device, repeats, warmup=False)
     fp32_logits = 4 * n * v
     # The memory bound also leaves out one fp32 buffer of the weight's shape for half weights.
@@ -211,12 +197,6 @@ def bench_case(
                 f"{100 * (peaks[name] - allowance) / fp32_logits:.1f}%",
                 _errors(fn, hidden, weight, labels),
             ]
-        )
-    if FLOOR in times:
-        t = times[FLOOR]
-        rows.append(
-            [f"{n}×{h}×{v}", "float32", FLOOR, significant(t * scale), f"{t / base:.2f}"]
-            + ["—"] * 3
         )
     return rows
 
