@@ -140,6 +140,18 @@ def test_the_environment_variable_overrides_the_rule(machine, env, picked):
     assert cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")) is picked
 
 
+@needs_onednn
+def test_torchs_switch_for_onednn_keeps_the_matmuls_in_torch(machine):
+    machine("x86_64", "AuthenticAMD")
+    assert cpu_matmul.uses_onednn(torch.float32, torch.device("cpu"))
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu"))
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert cpu_matmul.uses_onednn(torch.float32, torch.device("cpu"))
+
+
 def test_a_bad_environment_variable_is_a_clear_error(machine):
     machine("x86_64", "AuthenticAMD", "mkl")
     with pytest.raises(ValueError, match="RLMATH_CPU_MATMUL must be one of"):

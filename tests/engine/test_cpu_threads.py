@@ -436,3 +436,34 @@ def test_fused_head_is_bitwise_equal_for_1_2_and_4_threads(
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert_bitwise_equal(a, b)
+
+
+def test_fused_heads_from_several_python_threads_match_serial_calls(threads, matmul_library):
+    from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+    threads(2)
+    g = torch.Generator().manual_seed(4)
+    calls = []
+    for k in range(6):
+        n = 300 + 250 * k  # one to several pieces of rows, several tiles each
+        h = torch.randn(n, 48, generator=g)
+        w = torch.randn(900, 48, generator=g) * 0.3
+        labels = torch.randint(0, 900, (n,), generator=g)
+        calls.append((h, w, labels, torch.randn(2, n, generator=g)))
+
+    def run(call):
+        h, w, labels, up = call
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logp, ent = log_probs_and_entropy_from_hidden(
+            hh, ww, labels, chunk_size=700, vocab_chunk_size=256
+        )
+        torch.autograd.backward([logp, ent], [up[0], up[1]])
+        return logp.detach(), ent.detach(), hh.grad, ww.grad
+
+    serial = [run(c) for c in calls]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        concurrent = list(pool.map(run, calls))
+    for s, c in zip(serial, concurrent, strict=True):
+        for a, b in zip(s, c, strict=True):
+            assert_bitwise_equal(a, b)
+    assert torch.get_num_threads() == 2

@@ -1,4 +1,4 @@
-"""The fused head's CPU matmuls, in torch's BLAS or in oneDNN, whichever this CPU runs faster.
+"""The fused head's fp32 CPU matmuls: in oneDNN on x86 CPUs that are not Intel's, else in torch's BLAS.
 
 torch runs an fp32 ``torch.mm`` on a CPU in its BLAS, MKL on x86 builds. MKL
 picks its code by the processor's vendor: on Intel processors its AVX-512
@@ -15,7 +15,9 @@ fp32 accumulation; they differ in the order of the additions, that is by
 rounding. The choice is made from the machine alone (never from a timing),
 so a machine always takes the same path and its results stay reproducible.
 The environment variable ``RLMATH_CPU_MATMUL`` (``onednn`` or ``blas``)
-overrides it for the whole process, read when the process first asks.
+overrides it for the whole process, read when the process first asks; torch's
+own switch ``torch.backends.mkldnn.enabled = False`` keeps the matmuls in
+``torch.mm`` while it holds.
 
 oneDNN follows torch's fp32 matmul precision setting
 (``torch.backends.mkldnn.matmul.fp32_precision``) as torch's own oneDNN
@@ -87,7 +89,12 @@ def _machine_choice() -> bool:
 
 def uses_onednn(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the head's matmuls of ``dtype`` on ``device`` run in oneDNN (fp32 on a CPU only)."""
-    return device.type == "cpu" and dtype == torch.float32 and _machine_choice()
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and _machine_choice()
+        and torch.backends.mkldnn.enabled
+    )
 
 
 def mm(
