@@ -40,6 +40,7 @@ logits. The tile is sized for the rows a chunk really has after
 :func:`spans` evens the chunks out (512 tokens at V = 32000 are two chunks
 of 256 rows, so 896-wide tiles rather than 384): measured on 2 quiet AMD EPYC
 cores, fp32, H = 1024, V = 32000, forward+backward against the unfused path,
+every matmul in MKL,
 sizing the tile for the evened chunks took N = 512 from 1.85× to 1.49×,
 N = 1024 from 1.47× to 1.40×, N = 2048 from 1.46× to 1.38×, N = 8192 from
 1.44× to 1.36× (alternating runs, median of 9). On an accelerator the
@@ -254,7 +255,7 @@ def matmul_piece(length: int, device: torch.device | str | None = None) -> int:
     thread of an OpenMP matmul at its barrier. The rows of a piece are the
     inner dimension of its ``grad_weight`` matmul: measured on 2 quiet AMD
     EPYC cores (fp32, 4096×1024×32000, forward+backward against the unfused
-    path, interleaved runs, median of 6), pieces of 171, 342, 455 (at most
+    path, every matmul in MKL, interleaved runs, median of 6), pieces of 171, 342, 455 (at most
     512) and 683 rows of the 1366-row chunks took 1.34×, 1.29×, 1.27× and
     1.31×. The length never depends on the thread count, so neither do the
     results. On an accelerator a block is the whole chunk (one kernel per matmul).
@@ -276,9 +277,9 @@ def tile_spans(
     On a CPU every tile but the last is exactly ``tile`` wide: the tiles'
     buffers are contiguous ``(rows, width)`` matrices, and a width that is a
     multiple of :data:`TILE_ALIGN` keeps the matmuls that write or read them
-    fast (measured on a 2-core AMD EPYC, fp32, 1366 rows, H = 1024: the
-    logits matmul took 3.6 s per ``N·V·H`` with 1392-wide tiles, 2.8 s with
-    1408-wide ones). Elsewhere the tiles are :func:`spans` (even widths: on an
+    fast (measured on a 2-core AMD EPYC, fp32, 1366 rows, H = 1024, in MKL:
+    the logits matmul took 3.6 s per ``N·V·H`` with 1392-wide tiles, 2.8 s
+    with 1408-wide ones). Elsewhere the tiles are :func:`spans` (even widths: on an
     accelerator a short last tile would cost as many kernel launches as a full one).
     """
     if not is_cpu(device):
