@@ -93,7 +93,7 @@ def uses_onednn(dtype: torch.dtype, device: torch.device) -> bool:
         device.type == "cpu"
         and dtype == torch.float32
         and _machine_choice()
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
     )
 
 
