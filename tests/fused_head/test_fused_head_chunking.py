@@ -18,9 +18,6 @@ from rlmath.engine.policy import (
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from tests.fused_head.reference import make, make_labels
 
-# Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.
-pytestmark = pytest.mark.usefixtures("matmul_library")
-
 
 @given(total=st.integers(0, 5000), step=st.integers(1, 700))
 def test_spans_cover_the_range_in_even_pieces(total, step):
@@ -79,7 +76,7 @@ def test_elementwise_rows():
 
 
 @pytest.mark.parametrize("sub", [1, 3, 1000])
-def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub):
+def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub, matmul_library):
     import rlmath.engine.torch_backend.head_blocks as fn
 
     def run():

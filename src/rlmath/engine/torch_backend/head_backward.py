@@ -12,8 +12,8 @@ over the workers within those two orders
 (:func:`~rlmath.engine.torch_backend.workers.for_each_block`), each block one
 worker task on one thread, so the sums do not depend on the thread count.
 
-On a CPU the fp32 matmuls run in torch's BLAS or in oneDNN, whichever the
-machine runs faster (:mod:`~rlmath.engine.torch_backend.cpu_matmul`). For
+On a CPU the fp32 matmuls run in oneDNN on x86 CPUs that are not Intel's,
+else in torch's BLAS (:mod:`~rlmath.engine.torch_backend.cpu_matmul`). For
 half-precision inputs on a CPU the weight tile and hidden chunk are upcast
 for these matmuls; on an accelerator ``g`` is rounded to the inputs' dtype and
 the matmuls run in half precision (tensor cores), each product added to fp32
@@ -201,7 +201,6 @@ def _block_grad(
             first_w=i == 0,
         )
     else:
-        onednn = cpu_matmul.uses_onednn(cdt, g.device)
         if acc is not None:
             w_tile = weight[v0:v1]
             if w_tile.dtype != cdt:
@@ -209,10 +208,10 @@ def _block_grad(
                 if scratch.weight_tile != j:
                     w_tile.copy_(weight[v0:v1])
                     scratch.weight_tile = j
-            cpu_matmul.add_mm_(acc, g, w_tile, first=j == 0, onednn=onednn)
+            cpu_matmul.add_mm_(acc, g, w_tile, first=j == 0, onednn=blocks.onednn)
         if out.grad_w is not None:
             h_c = ws.scratch("h32", (c, H), cdt).copy_(h) if h.dtype != cdt else h
-            cpu_matmul.add_mm_(out.grad_w[v0:v1], g.T, h_c, first=i == 0, onednn=onednn)
+            cpu_matmul.add_mm_(out.grad_w[v0:v1], g.T, h_c, first=i == 0, onednn=blocks.onednn)
     if out.grad_b is not None:
         out.grad_b[v0:v1] += g.sum(0)
     if last and acc is not None and out.grad_h is not None and out.acc_h is not out.grad_h:

@@ -127,6 +127,10 @@ class HeadBlocks:
             self._hidden_live = torch.where(live[:, None], hidden, 0.0)
         self.scale, self.softcap = scale, softcap
         self.transform = scale != 1.0 or softcap is not None
+        # Where the matmuls run, decided once per pass: the logits in the
+        # inputs' dtype, the gradients in the compute dtype (cpu_matmul).
+        self.onednn_logits = cpu_matmul.uses_onednn(hidden.dtype, hidden.device)
+        self.onednn = cpu_matmul.uses_onednn(dtype, hidden.device)
 
     def scratch(self) -> BlockScratch:
         """A new worker's buffers (see :class:`BlockScratch`)."""
@@ -183,7 +187,7 @@ class HeadBlocks:
         """
         bias = self.bias[v0:v1] if self.bias is not None else None
         w = self.weight[v0:v1].T
-        if cpu_matmul.uses_onednn(h.dtype, h.device):
+        if self.onednn_logits:
             return cpu_matmul.mm(h, w, bias=bias, onednn=True)
         out = scratch.ws.get("z", h.shape[0], dtype=h.dtype)
         return cpu_matmul.mm(h, w, out=out, bias=bias, onednn=False)
