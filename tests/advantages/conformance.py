@@ -283,6 +283,31 @@ def check_degenerate_groups(fn: Callable[..., Any], batch: Batch) -> None:
             assert torch.all(out[~mask] == 0), f"{label}: masked output is not 0"
 
 
+def check_empty_batch(fn: Callable[..., Any], batch: Batch) -> None:
+    """``B = 0`` (a data-parallel rank left without samples) and ``T = 0`` give empty results.
+
+    Each output has the rewards' ``(B, T)`` shape and the estimator's result
+    dtype; nothing raises.
+    """
+    full = build_inputs(fn, batch)
+    expected = call(fn, full)
+    for selected in (torch.arange(0), None):
+        if selected is not None:
+            kwargs = rows(full, selected)
+        else:
+            token_shape = batch.rewards.shape
+            kwargs = {
+                k: v[:, :0] if isinstance(v, torch.Tensor) and v.shape == token_shape else v
+                for k, v in full.items()
+            }
+        shape = tuple(kwargs["token_level_rewards"].shape) if "token_level_rewards" in kwargs else None
+        for out, ref in zip(call(fn, kwargs), expected, strict=True):
+            assert out.numel() == 0, f"{tuple(out.shape)} from an empty batch"
+            assert out.dtype == ref.dtype
+            if shape is not None:
+                assert tuple(out.shape) == shape, (tuple(out.shape), shape)
+
+
 def relabelled_indices(index: torch.Tensor) -> dict[str, Any]:
     """The same grouping under other ids: gaps, negatives, int32, strings, numpy objects."""
     ids = index.unique()
@@ -320,28 +345,39 @@ def check_row_order(fn: Callable[..., Any], batch: Batch) -> None:
             torch.testing.assert_close(o, b[perm], rtol=0, atol=atol)
 
 
-def dp_split(batch: Batch) -> list[torch.Tensor]:
+#: How :func:`dp_split` shares the batch out: whole groups to each rank, or
+#: every row to rank 0 and none to rank 1 (a rank left without samples).
+DP_SPLITS = ("halves", "one_rank_empty")
+
+
+def dp_split(batch: Batch, split: str = "halves") -> list[torch.Tensor]:
     """Two ranks' row indices: whole groups per rank, rows in batch order.
 
-    Rank 0 takes about half of the groups, rank 1 the rest; each holds a
-    singleton and one of the two empty rows of the batch.
+    ``"halves"``: rank 0 takes about half of the groups, rank 1 the rest; each
+    holds a singleton and one of the two empty rows of the batch.
+    ``"one_rank_empty"``: rank 0 takes every row, rank 1 a ``(0, T)`` batch.
     """
+    if split == "one_rank_empty":
+        every = torch.arange(len(batch.index))
+        return [every, every[:0]]
     ids = batch.index.unique()
     first = torch.isin(batch.index, ids[::2])
     return [torch.nonzero(first)[:, 0], torch.nonzero(~first)[:, 0]]
 
 
 def dp_call(
-    fn: Callable[..., Any], batch: Batch, rank: int, group: Any
+    fn: Callable[..., Any], batch: Batch, rank: int, group: Any, split: str = "halves"
 ) -> tuple[torch.Tensor, ...]:
     """What ``rank`` computes on its share; ``group`` is passed if ``fn`` takes one."""
-    kwargs = rows(build_inputs(fn, batch), dp_split(batch)[rank])
+    kwargs = rows(build_inputs(fn, batch), dp_split(batch, split)[rank])
     if takes(fn, "group"):
         kwargs["group"] = group
     return call(fn, kwargs)
 
 
-def check_dp_invariance(fn: Callable[..., Any], batch: Batch, per_rank: list[tuple]) -> None:
+def check_dp_invariance(
+    fn: Callable[..., Any], batch: Batch, per_rank: list[tuple], split: str = "halves"
+) -> None:
     """The ranks' outputs, put back in batch order, equal the single-process ones.
 
     Batch-wide statistics (whitening, GPG's α) must be computed over the
@@ -350,6 +386,6 @@ def check_dp_invariance(fn: Callable[..., Any], batch: Batch, per_rank: list[tup
     kwargs = build_inputs(fn, batch)
     whole = call(fn, kwargs)
     atol = reorder_atol(kwargs, U64)
-    for rank, part in enumerate(dp_split(batch)):
+    for rank, part in enumerate(dp_split(batch, split)):
         for w, p in zip(whole, per_rank[rank]):
             torch.testing.assert_close(p, w[part], rtol=0, atol=atol)

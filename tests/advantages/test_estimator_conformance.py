@@ -25,6 +25,7 @@ CHECKS = {
     "degenerate_groups": C.check_degenerate_groups,
     "group_ids": C.check_group_ids,
     "row_order": C.check_row_order,
+    "empty_batch": C.check_empty_batch,
 }
 
 
@@ -55,11 +56,13 @@ def test_conformance(name, check):
     CHECKS[check](R.get_advantage_estimator(name), C.make_batch())
 
 
-def _dp_worker(names: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:
+def _dp_worker(names: list[str]) -> dict[tuple[str, str], tuple[torch.Tensor, ...]]:
     batch = C.make_batch()
     rank = dist.get_rank()
     return {
-        n: C.dp_call(R.get_advantage_estimator(n), batch, rank, dist.group.WORLD) for n in names
+        (n, split): C.dp_call(R.get_advantage_estimator(n), batch, rank, dist.group.WORLD, split)
+        for n in names
+        for split in C.DP_SPLITS
     }
 
 
@@ -69,10 +72,11 @@ def dp_outputs():
     return run_distributed(_dp_worker, 2, NAMES)
 
 
+@pytest.mark.parametrize("split", C.DP_SPLITS)
 @pytest.mark.parametrize("name", NAMES)
-def test_data_parallel_invariance(name, dp_outputs):
-    per_rank = [out[name] for out in dp_outputs]
-    C.check_dp_invariance(R.get_advantage_estimator(name), C.make_batch(), per_rank)
+def test_data_parallel_invariance(name, split, dp_outputs):
+    per_rank = [out[name, split] for out in dp_outputs]
+    C.check_dp_invariance(R.get_advantage_estimator(name), C.make_batch(), per_rank, split)
 
 
 # ------------------------------------------------- the checks catch broken estimators

@@ -454,3 +454,23 @@ def test_infinite_log_ratio_on_a_valid_token_is_clamped_like_vanilla(name):
         for k, v in m.items():
             torch.testing.assert_close(v, m_want[k], rtol=1e-12, atol=0)
         assert m["log_ratio_clamped_frac"].item() == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)], ids=["B=0", "T=0"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_batch_gives_zero_loss(name, mode, shape):
+    # A data-parallel rank can be left without samples (B = 0) and a micro-batch
+    # without response tokens (T = 0): the loss is 0 with a zero gradient of the
+    # input's shape, and every metric is finite.
+    x = torch.zeros(shape, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    loss, metrics = get_policy_loss(name)(
+        x, leaf, x, x.bool(), loss_agg_mode=mode, norm_length=max(shape[1], 1),
+        **LOSS_KWARGS[name],
+    )  # fmt: skip
+    loss.backward()
+    assert loss.shape == () and loss.item() == 0.0
+    assert leaf.grad is not None and leaf.grad.shape == shape
+    for key, value in metrics.items():
+        assert torch.isfinite(value).all(), key

@@ -37,8 +37,6 @@ def check_token_inputs(
     rewards = check_tensor("token_level_rewards", token_level_rewards, floating=True)
     if rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must have shape (B, T), got {tuple(rewards.shape)}")
-    if rewards.shape[0] == 0:
-        raise ValueError("token_level_rewards is an empty batch (B = 0); expected B >= 1")
     mask = check_mask("response_mask", response_mask, "token_level_rewards", rewards)
     valid = valid_mask(mask)
     return rewards, valid
