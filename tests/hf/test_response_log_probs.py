@@ -128,6 +128,17 @@ def test_unknown_heads_and_bad_inputs_raise():
         response_log_probs(m, ids, mask, R, packed=True)
 
 
+@pytest.mark.parametrize("name", ["logits_to_keep", "position_ids", "use_cache", "labels"])
+def test_model_kwargs_the_call_sets_itself_raise_one_line(name):
+    m = model("llama")
+    ids, mask = batch(response=R)
+    with pytest.raises(TypeError, match=f"got {name}=") as info:
+        response_log_probs(m, ids, mask, R, **{name: 3})
+    message = str(info.value)
+    # One line that names the argument, not the model's repr.
+    assert "\n" not in message and "LlamaForCausalLM" not in message
+
+
 def test_fused_module_on_a_hf_head():
     m = model("qwen2")
     ids, _ = batch(response=R)

@@ -161,6 +161,31 @@ def _check_batch(
     return ids, mask, response_length
 
 
+#: Keyword arguments of ``model(...)`` that :func:`response_log_probs` sets itself,
+#: with the reason a caller cannot pass them.
+_RESERVED_MODEL_KWARGS = {
+    "input_ids": "it is the second argument",
+    "attention_mask": "it is the third argument",
+    "position_ids": "positions are computed from attention_mask (cumsum - 1)",
+    "use_cache": "the call runs without a KV cache",
+    "logits_to_keep": "the call keeps the R + 1 positions that predict the response itself",
+    "labels": "the labels are the response tokens of input_ids",
+    "cu_seq_lens_q": "the packed layout is computed from attention_mask",
+    "cu_seq_lens_k": "the packed layout is computed from attention_mask",
+    "max_length_q": "the packed layout is computed from attention_mask",
+    "max_length_k": "the packed layout is computed from attention_mask",
+}
+
+
+def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    for name, why in _RESERVED_MODEL_KWARGS.items():
+        if name in model_kwargs:
+            raise TypeError(
+                f"response_log_probs() got {name}=...: it sets {name} itself ({why}); "
+                "remove it from the call"
+            )
+
+
 def response_log_probs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -212,7 +237,9 @@ def response_log_probs(
             of real tokens (when it is below the head's rows), an int gives it.
         chunk_size, vocab_chunk_size, backend: as in
             :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`.
-        **model_kwargs: passed on to ``model(...)``.
+        **model_kwargs: passed on to ``model(...)``; those the call sets itself
+            (``position_ids``, ``use_cache``, ``logits_to_keep``, ``labels``, the
+            packed layout's ``cu_seq_lens_*`` / ``max_length_*``) raise a ``TypeError``.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, R)`` fp32 (fp64 for an fp64
@@ -220,6 +247,7 @@ def response_log_probs(
         ``None`` unless ``return_entropy``.
     """
     ids, mask, R = _check_batch(input_ids, attention_mask, response_length)
+    _check_model_kwargs(model_kwargs)
     spec = head_of(model)
     B, S = ids.shape
     temp, scalar = check_temperature(
