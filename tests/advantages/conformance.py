@@ -300,7 +300,9 @@ def check_empty_batch(fn: Callable[..., Any], batch: Batch) -> None:
                 k: v[:, :0] if isinstance(v, torch.Tensor) and v.shape == token_shape else v
                 for k, v in full.items()
             }
-        shape = tuple(kwargs["token_level_rewards"].shape) if "token_level_rewards" in kwargs else None
+        shape = (
+            tuple(kwargs["token_level_rewards"].shape) if "token_level_rewards" in kwargs else None
+        )
         for out, ref in zip(call(fn, kwargs), expected, strict=True):
             assert out.numel() == 0, f"{tuple(out.shape)} from an empty batch"
             assert out.dtype == ref.dtype

@@ -77,10 +77,21 @@ def vocab_shard(
             "ignore_index must not be a token id (negative, or >= vocab_size when "
             f"vocab_size is given), got {ignore_index}"
         )
+    name = group_name(group)
+    if not name and ((start or 0) != 0 or (total is not None and total > width)):
+        # A world of one holds the whole vocabulary: a shard of a larger one would be
+        # normalized over its own columns only.
+        raise ValueError(
+            f"vocab_start_index={start} and vocab_size={total} describe a shard of a larger "
+            f"vocabulary, but no other process holds the rest: torch.distributed is not "
+            "initialized or the group has one rank, so these logits must be the whole "
+            f"vocabulary (vocab_start_index 0 and vocab_size <= {width}, their width). "
+            "Initialize the process group first, or pass the group that holds the shards."
+        )
     if start is None:
         start = group_rank(group) * width
     real = width if total is None else max(0, min(width, total - start))
-    return VocabShard(start=start, real=real, group=group_name(group))
+    return VocabShard(start=start, real=real, group=name)
 
 
 def _config(

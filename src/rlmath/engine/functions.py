@@ -36,6 +36,19 @@ class DoubleBackwardError(RuntimeError):
     """Raised when a gradient of an rlmath vocabulary function is differentiated again."""
 
 
+def _nan_where_unheld(grad_logp: Any, logp: torch.Tensor) -> Any:
+    """The upstream gradient with NaN where a used log-prob is NaN.
+
+    A label that is not a token id has log-prob NaN; where the loss uses it
+    (a nonzero upstream gradient) the gradient becomes NaN too, instead of a
+    finite value computed as if the label did not exist. A masked-out use
+    (upstream gradient exactly 0) contributes nothing, as for any other label.
+    """
+    if grad_logp is None:
+        return None
+    return torch.where(torch.isnan(logp) & (grad_logp != 0), float("nan"), grad_logp)
+
+
 def _no_double_backward(name: str) -> DoubleBackwardError:
     return DoubleBackwardError(
         f"{name}: rlmath's vocabulary functions have first-order gradients only; "
@@ -79,7 +92,7 @@ class LogProbsEntropyFunction(torch.autograd.Function):
         logits, labels, temperature, row_index, config = inputs
         logp, ent, lse = output
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, labels, temperature, row_index, lse, ent)
+        ctx.save_for_backward(logits, labels, temperature, row_index, lse, ent, logp)
         ctx.config = config
         ctx.mark_non_differentiable(lse)
         if labels is None:
@@ -89,9 +102,11 @@ class LogProbsEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logp: Any, grad_ent: Any, grad_lse: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        logits, labels, temperature, row_index, lse, ent = ctx.saved_tensors
+        logits, labels, temperature, row_index, lse, ent, logp = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_ent is None):
             return None, None, None, None, None
+        if labels is not None:
+            grad_logp = _nan_where_unheld(grad_logp, logp)
         grad = _LogProbsEntropyGrad.apply(
             grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, ctx.config
         )
@@ -228,7 +243,7 @@ class FusedHeadFunction(torch.autograd.Function):
         hidden, weight, bias, labels, temperature, config = inputs
         logp, ent, lse = output
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, temperature, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, labels, temperature, lse, ent, logp)
         ctx.config = config
         ctx.mark_non_differentiable(lse)
         if not config.want_entropy:
@@ -236,11 +251,12 @@ class FusedHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logp: Any, grad_ent: Any, grad_lse: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, bias, labels, temperature, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, labels, temperature, lse, ent, logp = ctx.saved_tensors
         need = tuple(bool(x) for x in ctx.needs_input_grad[:3])
         nones = (None, None, None)
         if not any(need) or (grad_logp is None and grad_ent is None):
             return None, None, None, *nones
+        grad_logp = _nan_where_unheld(grad_logp, logp)
         gh, gw, gb = _FusedHeadGrad.apply(
             grad_logp, grad_ent, hidden, weight, bias, labels, temperature, lse, ent,
             need, ctx.config,

@@ -62,30 +62,39 @@ class _Labels:
 
     ``local``: ``(M, K)`` column indices into the local vocabulary (0 where the
     label is not held here or ignored). ``owned``: ``(M, K)`` bool, held here
-    and not ignored (``None``: every label, the single-process case without
-    ``ignore_index``). ``valid``: not ignored (``None``: all). ``live``: ``(M,)``
-    rows with at least one valid label (``None``: all).
+    and not ignored. ``valid``: not ignored (``None``: all). ``live``: ``(M,)``
+    rows with at least one valid label (``None``: all). ``unheld``: ``(M, K)``
+    bool, valid labels that are not a token id of the vocabulary (outside
+    ``[0, V)``); known here in a world of one (``None`` for a shard: no column
+    of the others is known, see :func:`~rlmath.engine.stats.combine_shards`).
     """
 
-    def __init__(self, labels: torch.Tensor, cfg: OpConfig, real: int, width: int, single: bool):
+    def __init__(self, labels: torch.Tensor, cfg: OpConfig, real: int, single: bool):
         ignore = cfg.ignore_index
         self.valid = labels != ignore if ignore is not None else None
         self.live = self.valid.any(-1) if self.valid is not None else None
-        if single and cfg.shard.start == 0 and real == width:
-            self.owned = self.valid
-            self.local = labels if self.valid is None else torch.where(self.valid, labels, 0)
-        else:
-            local = labels - cfg.shard.start
-            owned = (local >= 0) & (local < real)
-            if self.valid is not None:
-                owned &= self.valid
-            self.owned = owned
-            self.local = torch.where(owned, local, 0)
+        start = cfg.shard.start
+        local = labels - start if start else labels
+        held = (local >= 0) & (local < real)
+        self.owned = held if self.valid is None else held & self.valid
+        self.local = torch.where(self.owned, local, 0)
+        self.unheld: torch.Tensor | None = None
+        if single:
+            self.unheld = ~held if self.valid is None else self.valid & ~held
 
-    def owned_or_all(self) -> torch.Tensor:
-        return (
-            self.owned if self.owned is not None else torch.ones_like(self.local, dtype=torch.bool)
-        )
+    def finish(self, logp: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+        """``logp`` with 0 at ignored labels and NaN at labels that are not token ids.
+
+        ``held``: for a shard, whether any shard of the group holds each label.
+        """
+        unheld = self.unheld
+        if held is not None:
+            unheld = ~held if self.valid is None else self.valid & ~held
+        if unheld is not None:
+            logp = torch.where(unheld, float("nan"), logp)
+        if self.valid is not None:
+            logp = torch.where(self.valid, logp, 0)
+        return logp
 
 
 def _row_temperature(
@@ -146,7 +155,7 @@ def _logits_setup(
     group = _group(cfg)
     lab = None
     if labels is not None:
-        lab = _Labels(labels, cfg, real, logits.shape[-1], group is None)
+        lab = _Labels(labels, cfg, real, group is None)
     temp = _row_temperature(
         temperature,
         cfg.temperature,
@@ -190,15 +199,14 @@ def logits_forward(
             cfg.chunk_size,
             cdt,
         )
-    big, log_s, ent, z_all = combine_shards(
-        m, s, t, z, lab.owned if lab is not None else None, group
-    )
+    big, log_s, ent, z_all, held = combine_shards(
+        m, s, t, z, lab.owned if lab is not None else None, group,
+        (cfg.shard.start, logits.shape[-1]),
+    )  # fmt: skip
     lse = big + log_s
     if lab is not None:
         assert z_all is not None
-        logp = (z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1)
-        if lab.valid is not None:
-            logp = torch.where(lab.valid, logp, 0)
+        logp = lab.finish((z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1), held)
     else:
         logp = _empty(cdt, dev)
     if ent is None:
@@ -280,7 +288,7 @@ def kl_forward(
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)
     kl, lse_z, lse_r = kernels.kl_stats(logits, ref_logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
-    return combine_kl(kl, lse_z, lse_r, _group(cfg))
+    return combine_kl(kl, lse_z, lse_r, _group(cfg), (cfg.shard.start, logits.shape[-1]))
 
 
 def kl_backward(
@@ -334,7 +342,7 @@ def _head_setup(
     cdt = result_dtype(hidden, weight)
     real = cfg.shard.real_columns(weight.shape[0])
     group = _group(cfg)
-    lab = _Labels(labels, cfg, real, weight.shape[0], group is None)
+    lab = _Labels(labels, cfg, real, group is None)
     batch = tuple(hidden.shape[:-1])
     temp = _row_temperature(temperature, cfg.temperature, batch, cdt, live=lab.live)
     tile_rule = get_kernels(cfg.backend).head_tiles or auto_tile_sizes
@@ -372,7 +380,7 @@ def head_forward(
         weight,
         bias,
         lab.local,
-        lab.owned_or_all(),
+        lab.owned,
         lab.live,
         temp,
         cfg.want_entropy,
@@ -383,11 +391,11 @@ def head_forward(
         scale=cfg.logit_scale,
         softcap=cfg.softcap or None,
     )
-    big, log_s, ent, z_all = combine_shards(m, s, t, z, lab.owned, group)
+    big, log_s, ent, z_all, held = combine_shards(
+        m, s, t, z, lab.owned, group, (cfg.shard.start, weight.shape[0])
+    )
     assert z_all is not None
-    logp = (z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1)
-    if lab.valid is not None:
-        logp = torch.where(lab.valid, logp, 0)
+    logp = lab.finish((z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1), held)
     if ent is None:
         ent = _empty(cdt, hidden.device)
     elif lab.live is not None:
@@ -424,7 +432,7 @@ def head_backward(
     alpha, beta, w = grad_coefficients(
         grad_logp, grad_ent, ent if grad_ent is not None else None, _inv(temp)
     )
-    if w is not None and lab.owned is not None:
+    if w is not None:
         w = torch.where(lab.owned, w, 0)
     reduce = group is not None and cfg.reduce_grad_hidden
     kernels = get_kernels(cfg.backend)
@@ -433,7 +441,7 @@ def head_backward(
         weight,
         bias,
         lab.local,
-        lab.owned_or_all(),
+        lab.owned,
         lab.live,
         lse=lse,
         alpha=alpha,
@@ -472,4 +480,4 @@ def pi_squared(
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)
     m, s, u = kernels.pi_squared_stats(logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
-    return combine_pi_squared(m, s, u, _group(cfg))
+    return combine_pi_squared(m, s, u, _group(cfg), (cfg.shard.start, logits.shape[-1]))

@@ -14,16 +14,55 @@ NaN logit makes its row NaN.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from rlmath import _device
 from rlmath.engine.groups import ProcessGroup, all_reduce
 
 __all__ = [
+    "ShardLayoutError",
     "combine_kl",
     "combine_pi_squared",
     "combine_shards",
     "grad_coefficients",
     "merge_tile_stats",
 ]
+
+
+class ShardLayoutError(ValueError):
+    """The vocabulary shards of a group do not tile ``[0, V)`` (a gap or an overlap)."""
+
+
+def _max_with_layout(
+    x: torch.Tensor, layout: tuple[int, int], group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce max of ``x``, and whether the group's shards tile the vocabulary.
+
+    The shards' ``(start, width)`` ride in the same collective (``2·world``
+    slots after ``x``; each rank fills its own), so the layout is checked on
+    every call at no extra collective and without a host read. Returns
+    ``(max of x, ok)`` with ``ok`` a 0-d bool tensor: sorted by start, the
+    first shard starts at 0 and each next one where the previous ends. Where
+    reading it is free (a CPU), a bad layout raises :class:`ShardLayoutError`
+    on every rank; elsewhere the caller turns its results into NaN.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    slots = torch.full((2 * world,), NEG_INF, dtype=x.dtype, device=x.device)
+    slots[me], slots[world + me] = float(layout[0]), float(layout[1])
+    out = all_reduce(torch.cat([x.reshape(-1), slots]), "max", group)
+    starts, widths = out[-2 * world : -world], out[-world:]
+    order = torch.argsort(starts)
+    begin = starts[order]
+    end = begin + widths[order]
+    ok = (begin[0] == 0) & (begin[1:] == end[:-1]).all()
+    if _device.reads_host(x.device) and not bool(ok):
+        table = [(int(a), int(b)) for a, b in zip(starts.tolist(), widths.tolist(), strict=True)]
+        raise ShardLayoutError(
+            "vocabulary shards must tile [0, V) without gaps or overlap; (vocab_start_index, "
+            f"width) by rank: {table}"
+        )
+    return out[: x.numel()].view_as(x), ok
+
 
 NEG_INF = float("-inf")
 
@@ -62,13 +101,17 @@ def combine_shards(
     z_labels: torch.Tensor | None,
     owned: torch.Tensor | None,
     group: ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Global ``(M, log S, entropy, label logits)`` from every shard's per-row statistics.
+    layout: tuple[int, int] = (0, 0),
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]:
+    """Global ``(M, log S, entropy, label logits, held)`` from every shard's per-row statistics.
 
     In a world of one (``group=None``) these are this process's statistics;
     otherwise two collectives: a max of ``m``, and one sum of a packed
-    ``(N, 2 + K)`` buffer that also carries the label logits (only the owner
-    of a label contributes a non-zero value).
+    ``(N, 2 + 2K)`` buffer that also carries the label logits (only the owner
+    of a label contributes a non-zero value) and how many shards hold each
+    label (none: the label is not a token id of the whole vocabulary).
 
     Args:
         m, s: ``(N,)`` max and shifted sum-exp (``m = -inf`` with ``s = 0`` for a
@@ -77,36 +120,53 @@ def combine_shards(
         z_labels: ``(N, K)`` scaled label logits (any value where not owned), or ``None``.
         owned: ``(N, K)`` bool, the labels this process holds (``None``: all).
         group: the vocabulary-parallel group, ``None`` for a world of one.
+        layout: ``(start, width)`` of this shard, checked against the others'
+            (:func:`_max_with_layout`; a bad layout makes every result NaN).
 
     Returns:
         ``M (N,)``, ``log S (N,)``, entropy ``(N,)`` or ``None``, label logits
-        ``(N, K)`` or ``None`` (0 for labels nobody owns).
+        ``(N, K)`` or ``None`` (0 for labels nobody owns), and ``held``: ``(N, K)``
+        bool, some shard holds the label (``None`` in a world of one, or without
+        labels).
     """
     if z_labels is not None and owned is not None:
         z_labels = torch.where(owned, z_labels, 0)
+    held = None
     if group is None:
         big, s_all, t_all, z_all = m, s, t, z_labels
     else:
-        big = all_reduce(m, "max", group)
+        big, ok = _max_with_layout(m, layout, group)
+        big = torch.where(ok, big, float("nan"))
         dead = m == NEG_INF
         # A shard without mass in a row contributes exact zeros (its e^{m - M} may be NaN).
         scale = torch.where(dead, 0, torch.exp(m - big))
         parts = [s * scale]
         if t is not None:
             parts.append(torch.where(dead, 0, scale * (t + (m - big) * s)))
+        k = 0
         if z_labels is not None:
+            k = z_labels.shape[-1]
             parts.extend(z_labels.unbind(-1))
+            if owned is not None:
+                parts.extend(owned.to(s.dtype).unbind(-1))
         total = all_reduce(torch.stack(parts, -1), "sum", group)
+        first = 2 if t is not None else 1
         s_all = total[:, 0]
         t_all = total[:, 1] if t is not None else None
-        z_all = total[:, 2 if t is not None else 1 :] if z_labels is not None else None
+        z_all = total[:, first : first + k] if z_labels is not None else None
+        if z_labels is not None and owned is not None:
+            held = total[:, first + k :] > 0
     log_s = s_all.log()
     ent = log_s - t_all / s_all if t_all is not None else None
-    return big, log_s, ent, z_all
+    return big, log_s, ent, z_all, held
 
 
 def combine_kl(
-    kl: torch.Tensor, lse_z: torch.Tensor, lse_r: torch.Tensor, group: ProcessGroup | None
+    kl: torch.Tensor,
+    lse_z: torch.Tensor,
+    lse_r: torch.Tensor,
+    group: ProcessGroup | None,
+    layout: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global ``(KL, lse_z, lse_r)`` from the shards' by the chain rule of the KL.
 
@@ -118,7 +178,8 @@ def combine_kl(
     """
     if group is None:
         return kl, lse_z, lse_r
-    big = all_reduce(torch.stack([lse_z, lse_r], -1), "max", group)
+    big, ok = _max_with_layout(torch.stack([lse_z, lse_r], -1), layout, group)
+    big = torch.where(ok, big, float("nan"))
     dead = torch.stack([lse_z == NEG_INF, lse_r == NEG_INF], -1)
     local = torch.stack([lse_z, lse_r], -1)
     sums = all_reduce(torch.where(dead, 0, torch.exp(local - big)), "sum", group)
@@ -132,11 +193,16 @@ def combine_kl(
 
 
 def combine_pi_squared(
-    m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, group: ProcessGroup | None
+    m: torch.Tensor,
+    s: torch.Tensor,
+    u: torch.Tensor,
+    group: ProcessGroup | None,
+    layout: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """``Σ π² = U / S²`` over all shards from each shard's ``(m, s, u)`` (two collectives)."""
     if group is not None:
-        big = all_reduce(m, "max", group)
+        big, ok = _max_with_layout(m, layout, group)
+        big = torch.where(ok, big, float("nan"))
         scale = torch.where(m == NEG_INF, 0, torch.exp(m - big))
         total = all_reduce(torch.stack([s * scale, u * scale * scale], -1), "sum", group)
         s, u = total[:, 0], total[:, 1]

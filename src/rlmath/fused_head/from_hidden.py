@@ -87,7 +87,8 @@ def log_probs_and_entropy_from_hidden(
         validate: check that every label lies in ``[0, V)`` or equals
             ``ignore_index`` (and that a tensor temperature is positive) with a
             clear ``ValueError``; off by default because it reads tensor data.
-            Without it, an out-of-range label gives a meaningless log-prob.
+            Without it, a label that is neither a token id nor ``ignore_index``
+            gives a NaN log-prob (and a NaN gradient where the loss uses it).
 
     Returns:
         ``(log_probs, entropy)``, both of shape ``labels.shape``, fp32 (fp64 for

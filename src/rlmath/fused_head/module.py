@@ -40,6 +40,9 @@ class FusedLMHeadLogProbs(nn.Module):
         ignore_index: label value of positions to skip (log-prob and entropy 0).
         chunk_size: tokens per block, ``None`` for automatic.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        validate: check in each call that every label is a token id or
+            ``ignore_index`` (a ``ValueError`` naming ``labels``; reads the labels, a
+            host sync). Without it a label that is neither gives a NaN log-prob.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class FusedLMHeadLogProbs(nn.Module):
         ignore_index: int | None = -100,
         chunk_size: int | None = None,
         backend: str = "auto",
+        validate: bool = False,
     ):
         super().__init__()
         if not isinstance(head, nn.Linear):
@@ -61,6 +65,9 @@ class FusedLMHeadLogProbs(nn.Module):
         self.chunk_size = check_positive_int_or_none("chunk_size", chunk_size)
         resolve_backend(backend, head.weight)
         self.backend = backend
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+        self.validate = validate
 
     @property
     def head(self) -> nn.Linear:
@@ -94,6 +101,7 @@ class FusedLMHeadLogProbs(nn.Module):
             "ignore_index": self.ignore_index,
             "chunk_size": self.chunk_size,
             "backend": self.backend,
+            "validate": self.validate,
         }
 
         def fused(head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

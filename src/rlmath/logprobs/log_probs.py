@@ -40,7 +40,8 @@ def log_probs_from_logits(
             sharded over batch dims it runs on each rank's block. The result is
             then a DTensor (see ``docs/logprobs.md``).
         labels: ``(...)`` integer tensor with one label per row, or ``(..., K)``
-            for K candidate labels per row; values in ``[0, V)`` or ``ignore_index``.
+            for K candidate labels per row; values in ``[0, V)`` or ``ignore_index``
+            (any other value gives a NaN log-prob; ``validate=True`` raises).
         temperature: float > 0, or a tensor broadcastable to ``logits.shape[:-1]``
             (e.g. one temperature per sequence). The result equals the call on
             ``logits / temperature`` with temperature 1 (the division is done in
