@@ -17,9 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from rlmath import VocabParallel, log_probs_and_entropy_from_logits
 from rlmath.distributed import init_from_env, run_distributed
-from rlmath.distributed.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from rlmath.logprobs import log_probs_and_entropy_from_logits
 
 VOCAB = 50257  # GPT-2: not a multiple of 2 or 4
 TOKENS = 6
@@ -45,8 +44,8 @@ def demo(verbose: bool = True) -> dict[str, float]:
     start, end = bounds[rank], bounds[rank + 1]
     shard = logits[:, start:end].clone().requires_grad_()
 
-    logp, entropy = vocab_parallel_log_probs_and_entropy(
-        shard, labels, temperature=TEMPERATURE, vocab_start_index=start
+    logp, entropy = log_probs_and_entropy_from_logits(
+        shard, labels, temperature=TEMPERATURE, vocab_parallel=VocabParallel(start=start)
     )
     # Every rank computes the same loss from the replicated outputs and backpropagates it.
     loss = -logp.sum() - 0.01 * entropy.sum()
@@ -54,9 +53,7 @@ def demo(verbose: bool = True) -> dict[str, float]:
 
     # Single process on the whole vocabulary: the same operation, without a shard.
     full = logits.clone().requires_grad_()
-    ref_logp, ref_entropy = log_probs_and_entropy_from_logits(
-        full, labels, temperature=TEMPERATURE, ignore_index=-100
-    )
+    ref_logp, ref_entropy = log_probs_and_entropy_from_logits(full, labels, temperature=TEMPERATURE)
     (-ref_logp.sum() - 0.01 * ref_entropy.sum()).backward()
 
     diffs = {

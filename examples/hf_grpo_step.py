@@ -88,8 +88,8 @@ def main() -> None:
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean"
     )
     kl = rlmath.kl_penalty(log_prob, ref_log_prob, "k3")
-    kl_loss = rlmath.agg_loss(kl, response_mask, "token-mean")
-    entropy_loss = rlmath.agg_loss(entropy, response_mask, "token-mean")
+    kl_loss = rlmath.agg_loss(kl, response_mask, loss_agg_mode="token-mean")
+    entropy_loss = rlmath.agg_loss(entropy, response_mask, loss_agg_mode="token-mean")
     loss = pg_loss + KL_COEF * kl_loss - ENTROPY_COEF * entropy_loss
     optimizer.zero_grad()
     loss.backward()

@@ -103,12 +103,18 @@ def test_every_name_is_listed_and_aliases_agree():
             assert torch.equal(kl_penalty(logp, ref, a + suffix), kl_penalty(logp, ref, b + suffix))
 
 
-def test_default_is_k1_and_verl_keyword_alias():
+def test_default_is_k1_and_verl_keywords_live_in_compat():
+    from rlmath.compat.verl import kl_penalty as verl_kl_penalty
+
     logp, ref = torch.randn(3, 5), torch.randn(3, 5)
     assert torch.equal(kl_penalty(logp, ref), logp - ref)
+    assert torch.equal(
+        kl_penalty(log_prob=logp, ref_log_prob=ref, estimator="low_var_kl"),
+        kl_penalty(logp, ref, "k3"),
+    )
     # verl's call sites: kl_penalty(logprob=..., ref_logprob=..., kl_penalty="low_var_kl")
     assert torch.equal(
-        kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty="low_var_kl"),
+        verl_kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty="low_var_kl"),
         kl_penalty(logp, ref, "k3"),
     )
 
@@ -372,12 +378,12 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="kl_from_logits"):
         kl_penalty(logp, ref, "full")
     with pytest.raises(ValueError, match="kl_from_logits"):
-        kl_penalty(logp, ref, kl_penalty="full")
-    with pytest.raises(TypeError, match="logprob"):
+        kl_penalty(logp, ref, estimator="full")
+    with pytest.raises(TypeError, match="log_prob"):
         kl_penalty(torch.ones(2, 3, dtype=torch.int64), ref)
-    with pytest.raises(TypeError, match="ref_logprob"):
+    with pytest.raises(TypeError, match="ref_log_prob"):
         kl_penalty(logp, [1.0, 2.0])
-    with pytest.raises(ValueError, match="ref_logprob"):
+    with pytest.raises(ValueError, match="ref_log_prob"):
         kl_penalty(logp, torch.randn(3, 2))
     with pytest.raises(ValueError, match="log_ratio_clamp"):
         kl_penalty(logp, ref, "k3", log_ratio_clamp=0.0)
@@ -389,5 +395,5 @@ def test_bad_input_messages():
         kl_penalty(logp, ref, "k3", old_log_prob=torch.randn(2, 4))
     with pytest.raises(ValueError, match="response_mask"):
         kl_penalty(logp, ref, "k3", response_mask=torch.ones(3, 2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="kl_penalty"):
-        kl_penalty(logp, ref, "k2", kl_penalty="k3")
+    with pytest.raises(TypeError, match="kl_penalty"):
+        kl_penalty(logp, ref, "k2", kl_penalty="k3")  # verl's keyword: rlmath.compat.verl

@@ -99,10 +99,12 @@ def _calls():
     yield (
         "norm_length",
         3,
-        lambda s: rlmath.agg_loss(adv, mask, "seq-mean-token-sum-norm", norm_length=s),
+        lambda s: rlmath.agg_loss(
+            adv, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=s
+        ),
     )
-    yield "dp_size", 3, lambda s: rlmath.agg_loss(adv, mask, "token-sum", dp_size=s)
-    yield "temperature", 0.5, lambda s: rlmath.compute_entropy_loss(logits, mask, temperature=s)
+    yield "dp_size", 3, lambda s: rlmath.agg_loss(adv, mask, loss_agg_mode="token-sum", dp_size=s)
+    yield "temperature", 0.5, lambda s: rlmath.compute_entropy_loss(logits, mask, temperature=s)[0]
     yield (
         "kl_coef",
         0.5,

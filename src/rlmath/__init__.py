@@ -10,7 +10,7 @@ from rlmath import (
     fused_head,
     kl,
     kl_controllers,
-    logprobs,
+    log_probs,
     losses,
     masked,
     padding,
@@ -22,7 +22,7 @@ from rlmath.advantages import *
 from rlmath.fused_head import *
 from rlmath.kl import *
 from rlmath.kl_controllers import *
-from rlmath.logprobs import *
+from rlmath.log_probs import *
 from rlmath.losses import *
 from rlmath.masked import *
 from rlmath.padding import *
@@ -41,7 +41,7 @@ __all__ += kl.__all__
 __all__ += kl_controllers.__all__
 __all__ += rewards.__all__
 __all__ += schedules.__all__
-__all__ += logprobs.__all__
+__all__ += log_probs.__all__
 __all__ += fused_head.__all__
 __all__ += advantages.__all__
 __all__ += losses.__all__

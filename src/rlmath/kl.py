@@ -61,15 +61,14 @@ KL_ESTIMATORS: tuple[str, ...] = tuple(sorted([*_BASE, *(name + "+" for name in 
 
 
 def kl_penalty(
-    logprob: torch.Tensor,
-    ref_logprob: torch.Tensor,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
     estimator: str = "k1",
     *,
     log_ratio_clamp: float = 20.0,
     k3_max: float | None = 10.0,
     old_log_prob: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
-    kl_penalty: str | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probs.
 
@@ -78,7 +77,7 @@ def kl_penalty(
     the input dtype.
 
     * ``k3``/``low_var_kl`` is computed as ``expm1(x) − x`` with
-      ``x = clamp(ref_logprob − logprob, ±log_ratio_clamp)`` (accurate near 0,
+      ``x = clamp(ref_log_prob − log_prob, ±log_ratio_clamp)`` (accurate near 0,
       no overflow), then clamped from above at ``k3_max`` like verl. With the
       default 10 the clamp is active where ``x > 2.61`` (π_ref/π > 13.6) or
       ``x < −11``; there the value is flat and **its gradient is zero**, so a
@@ -90,7 +89,7 @@ def kl_penalty(
     * ``old_log_prob`` (``k3``/``low_var_kl`` only) turns on the importance
       correction for tokens sampled from an older policy π_old (DeepSeek-V3.2,
       2025): the result is ``w · k3`` with ``w = π/π_old =
-      exp(clamp(logprob − old_log_prob, ±log_ratio_clamp))``. The weight is
+      exp(clamp(log_prob − old_log_prob, ±log_ratio_clamp))``. The weight is
       **not** detached: since ``E_{π_old}[w · k3] = E_π[k3] = KL(π‖π_ref)``
       for every θ, differentiating through ``w`` makes the expected gradient
       exactly ∇KL(π‖π_ref) (with a detached weight it would be ∇KL(π_ref‖π),
@@ -103,45 +102,37 @@ def kl_penalty(
     * ``"full"`` needs whole distributions, not sampled log-probs: use
       ``rlmath.kl_from_logits(logits, ref_logits)``.
 
-    Migrating from verl: verl's third parameter is called ``kl_penalty`` and
-    its call sites pass it by keyword, ``kl_penalty(lp, ref, kl_penalty="k3")``;
-    that keyword is accepted here as an alias of ``estimator`` (give one, not both).
+    Migrating from verl: verl's parameters are ``(logprob, ref_logprob,
+    kl_penalty)``, its call sites pass the estimator as ``kl_penalty="k3"``;
+    :func:`rlmath.compat.verl.kl_penalty` keeps that signature.
 
     Args:
-        logprob: log π(x) of the sampled tokens. Shape ``(*)`` (``(B, T)``), float.
-        ref_logprob: log π_ref(x), same shape, float.
+        log_prob: log π(x) of the sampled tokens. Shape ``(*)`` (``(B, T)``), float.
+        ref_log_prob: log π_ref(x), same shape, float.
         estimator: one of :data:`KL_ESTIMATORS`. Default ``"k1"``.
         log_ratio_clamp: bound on ``|log-ratio|`` before any exponential (> 0).
         k3_max: upper clamp of k3's value (> 0), or None for no clamp.
         old_log_prob: log π_old(x) of the sampling policy, same shape, or None.
         response_mask: None, or bool/0-1 of the same shape, nonzero = valid.
-        kl_penalty: verl's name for ``estimator`` (keyword only).
 
     Returns:
         Shape ``(*)``; fp32, or fp64 if any input is fp64; 0 where
         ``response_mask`` is 0. Element-wise: a NaN at one position affects
         that position only.
     """
-    if kl_penalty is not None:
-        if estimator != "k1" and estimator != kl_penalty:
-            raise ValueError(
-                f"give the estimator once: estimator={estimator!r} and "
-                f"kl_penalty={kl_penalty!r} (kl_penalty is verl's name for estimator)"
-            )
-        estimator = kl_penalty
     if estimator in ("full", "full+"):
         raise ValueError(
             "estimator 'full' is the exact KL over the vocabulary and needs the logits, "
             "not the sampled tokens' log-probs: call rlmath.kl_from_logits(logits, ref_logits)"
         )
     check_choice("estimator", estimator, KL_ESTIMATORS)
-    check_tensor("logprob", logprob, floating=True)
-    check_tensor("ref_logprob", ref_logprob, floating=True)
-    check_same_shape("ref_logprob", ref_logprob, "logprob", logprob)
+    check_tensor("log_prob", log_prob, floating=True)
+    check_tensor("ref_log_prob", ref_log_prob, floating=True)
+    check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
     clamp = check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
     if k3_max is not None:
         k3_max = check_in_range("k3_max", k3_max, 0.0, None, low_inclusive=False)
-    tensors = [logprob, ref_logprob]
+    tensors = [log_prob, ref_log_prob]
     if old_log_prob is not None:
         if estimator not in ("k3", "low_var_kl"):
             raise ValueError(
@@ -149,16 +140,16 @@ def kl_penalty(
                 f"'k3' / 'low_var_kl', got estimator={estimator!r}"
             )
         check_tensor("old_log_prob", old_log_prob, floating=True)
-        check_same_shape("old_log_prob", old_log_prob, "logprob", logprob)
+        check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
         tensors.append(old_log_prob)
 
     dtype = result_dtype(*tensors)
-    logp = logprob.to(dtype)
-    ref = ref_logprob.to(dtype)
+    logp = log_prob.to(dtype)
+    ref = ref_log_prob.to(dtype)
     old = None if old_log_prob is None else old_log_prob.to(dtype)
     valid = None
     if response_mask is not None:
-        check_mask("response_mask", response_mask, "logprob", logprob)
+        check_mask("response_mask", response_mask, "log_prob", log_prob)
         valid = valid_mask(response_mask)
         logp = torch.where(valid, logp, 0)
         ref = torch.where(valid, ref, 0)

@@ -90,7 +90,7 @@ INPUTS: dict[str, Callable[[Batch], Any]] = {
     "gamma": lambda b: 0.9,
     "lam": lambda b: 0.95,
     "reward_baselines": lambda b: _bf16_exact(_row_uniform(b, 2.7, shape_t=False)[:, 0]),
-    "old_log_probs": _log_probs,
+    "old_log_prob": _log_probs,
     "sum_pi_squared": _sum_pi_squared,
     "rollout_is_weights": lambda b: _bf16_exact(0.5 + 1.5 * _row_uniform(b, 0.8)),
     "reward_components": lambda b: _bf16_exact(
@@ -105,7 +105,7 @@ HANDLED_ELSEWHERE = {"group"}
 TOKEN_INPUTS = {
     "token_level_rewards",
     "values",
-    "old_log_probs",
+    "old_log_prob",
     "sum_pi_squared",
     "rollout_is_weights",
 }

@@ -270,7 +270,7 @@ def optimal_token_baseline_reference(
     rewards: torch.Tensor,
     mask: torch.Tensor,
     index: Any,
-    old_log_probs: torch.Tensor,
+    old_log_prob: torch.Tensor,
     sum_pi_squared: torch.Tensor,
     rollout_is_weights: torch.Tensor | None = None,
     handle_zero_tail: bool = True,
@@ -279,14 +279,14 @@ def optimal_token_baseline_reference(
     multi_turn: bool = False,
 ) -> Pair:
     """Both OTB variants: per group, per aligned step, a weighted mean of the returns."""
-    extra = [old_log_probs, sum_pi_squared]
+    extra = [old_log_prob, sum_pi_squared]
     if rollout_is_weights is not None:
         extra.append(rollout_is_weights)
     dtype = result_dtype(rewards, *extra)
     batch, length = rewards.shape
     valid = _mask_rows(mask)
     returns = _discounted_returns(rewards, mask, 1.0)
-    logp, sq = _rows(old_log_probs), _rows(sum_pi_squared)
+    logp, sq = _rows(old_log_prob), _rows(sum_pi_squared)
     rho = _rows(rollout_is_weights) if rollout_is_weights is not None else None
 
     # Per trajectory: the aligned steps (columns, or the k-th valid token).

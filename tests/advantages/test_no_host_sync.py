@@ -28,13 +28,13 @@ GROUPED = [
 def _calls(device):
     rewards, mask, index = (t.to(device) for t in grouped_batch(3))
     g = torch.Generator(device="cpu").manual_seed(0)
-    old_log_probs = (-torch.rand(rewards.shape, generator=g, dtype=torch.float64)).to(device)
+    old_log_prob = (-torch.rand(rewards.shape, generator=g, dtype=torch.float64)).to(device)
     sum_pi_squared = torch.rand(rewards.shape, generator=g, dtype=torch.float64).to(device)
     float_index = index.double() / 10  # float ids take the same path
     for name in GROUPED:
         fn = rlmath.get_advantage_estimator(name)
         if "optimal_token_baseline" in name:
-            yield name, lambda fn=fn: fn(rewards, mask, index, old_log_probs, sum_pi_squared)
+            yield name, lambda fn=fn: fn(rewards, mask, index, old_log_prob, sum_pi_squared)
         else:
             yield name, lambda fn=fn: fn(rewards, mask, index)
             yield f"{name} (float ids)", lambda fn=fn: fn(rewards, mask, float_index)

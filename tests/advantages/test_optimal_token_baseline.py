@@ -143,7 +143,7 @@ def test_registered_names_and_bad_input():
     assert R.get_advantage_estimator("optimal_token_baseline") is VARIANTS[False]
     assert R.get_advantage_estimator("tir_optimal_token_baseline") is VARIANTS[True]
     r, m = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match="old_log_probs"):
+    with pytest.raises(ValueError, match="old_log_prob"):
         VARIANTS[False](r, m, [0, 0], torch.zeros(2, 4), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="sum_pi_squared"):
         VARIANTS[True](r, m, [0, 0], torch.zeros(2, 3), torch.zeros(3, 3))

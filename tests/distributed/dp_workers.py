@@ -35,13 +35,15 @@ def dp_stats_worker(seed: int, dtype_name: str):
     local_v = values[sl].to(dtype).clone().requires_grad_()
     local_m = mask[sl]
     out = {
-        "sum": rd.masked_sum(local_v, local_m),
-        "mean": rd.masked_mean(local_v, local_m),
-        "var": rd.masked_var(local_v, local_m),
-        "var_biased": rd.masked_var(local_v, local_m, unbiased=False),
-        "whiten": rd.masked_whiten(local_v, local_m),
-        "whiten_noshift": rd.masked_whiten(local_v, local_m, shift_mean=False),
-        "mmms": rd.distributed_mean_max_min_std(local_v, mask=local_m),
+        "sum": rlmath.masked_sum(local_v, local_m, group=dist.group.WORLD),
+        "mean": rlmath.masked_mean(local_v, local_m, group=dist.group.WORLD),
+        "var": rlmath.masked_var(local_v, local_m, group=dist.group.WORLD),
+        "var_biased": rlmath.masked_var(local_v, local_m, unbiased=False, group=dist.group.WORLD),
+        "whiten": rlmath.masked_whiten(local_v, local_m, group=dist.group.WORLD),
+        "whiten_noshift": rlmath.masked_whiten(
+            local_v, local_m, shift_mean=False, group=dist.group.WORLD
+        ),
+        "mmms": rd.distributed_mean_max_min_std(local_v, mask=local_m, group=dist.group.WORLD),
     }
     # Each rank backpropagates its share of a total loss that mixes global
     # statistics (counted once overall) with its local whitened values.
@@ -50,9 +52,9 @@ def dp_stats_worker(seed: int, dtype_name: str):
     loss = loss + (coef * out["whiten"]).sum() + (coef.sin() * out["whiten_noshift"]).sum()
     loss.backward()
     empty = torch.zeros_like(local_m)
-    out["empty_mean"] = rd.masked_mean(local_v, empty)
-    out["empty_var"] = rd.masked_var(local_v, empty)
-    out["empty_whiten"] = rd.masked_whiten(local_v, empty)
+    out["empty_mean"] = rlmath.masked_mean(local_v, empty, group=dist.group.WORLD)
+    out["empty_var"] = rlmath.masked_var(local_v, empty, group=dist.group.WORLD)
+    out["empty_whiten"] = rlmath.masked_whiten(local_v, empty, group=dist.group.WORLD)
     out = {k: _detach(v) for k, v in out.items()}
     out["grad"] = local_v.grad.detach()
     out["slice"] = (sl.start, sl.stop)
@@ -103,11 +105,11 @@ def mixed_dtype_worker(dtypes: list[str]):
     values = torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)
     mask = torch.ones(4, 3, dtype=torch.bool)
     calls = {
-        "sum": lambda: rd.masked_sum(values, mask),
-        "mean": lambda: rd.masked_mean(values, mask),
-        "var": lambda: rd.masked_var(values, mask),
-        "whiten": lambda: rd.masked_whiten(values, mask),
-        "mmms": lambda: rd.distributed_mean_max_min_std(values, mask=mask),
+        "sum": lambda: rlmath.masked_sum(values, mask, group=dist.group.WORLD),
+        "mean": lambda: rlmath.masked_mean(values, mask, group=dist.group.WORLD),
+        "var": lambda: rlmath.masked_var(values, mask, group=dist.group.WORLD),
+        "whiten": lambda: rlmath.masked_whiten(values, mask, group=dist.group.WORLD),
+        "mmms": lambda: rd.distributed_mean_max_min_std(values, mask=mask, group=dist.group.WORLD),
     }
     out = {}
     for name, call in calls.items():
@@ -158,14 +160,24 @@ def collective_count_worker():
     try:
         leaf = values.clone().requires_grad_()
         out = {
-            "masked_sum": count(lambda: rd.masked_sum(values, weights))[0],
-            "masked_mean": count(lambda: rd.masked_mean(values, weights))[0],
-            "masked_var": count(lambda: rd.masked_var(values, weights))[0],
-            "masked_whiten": count(lambda: rd.masked_whiten(leaf, weights))[0],
+            "masked_sum": count(lambda: rlmath.masked_sum(values, weights, group=dist.group.WORLD))[
+                0
+            ],
+            "masked_mean": count(
+                lambda: rlmath.masked_mean(values, weights, group=dist.group.WORLD)
+            )[0],
+            "masked_var": count(lambda: rlmath.masked_var(values, weights, group=dist.group.WORLD))[
+                0
+            ],
+            "masked_whiten": count(
+                lambda: rlmath.masked_whiten(leaf, weights, group=dist.group.WORLD)
+            )[0],
         }
-        n_mmms, mmms = count(lambda: rd.distributed_mean_max_min_std(values, mask=weights))
+        n_mmms, mmms = count(
+            lambda: rd.distributed_mean_max_min_std(values, mask=weights, group=dist.group.WORLD)
+        )
         out["distributed_mean_max_min_std"] = n_mmms
-        whitened = rd.masked_whiten(leaf, weights)
+        whitened = rlmath.masked_whiten(leaf, weights, group=dist.group.WORLD)
         out["masked_whiten_backward"] = count(lambda: whitened.sum().backward())[0]
     finally:
         for name, fn in originals.items():

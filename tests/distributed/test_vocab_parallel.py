@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
+import rlmath as R
+from rlmath import VocabParallel
 from rlmath.distributed import run_distributed
-from rlmath.distributed import vocab_parallel as vp
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
-from rlmath.logprobs import (
+from rlmath.log_probs import (
     entropy_from_logits,
     kl_from_logits,
     log_probs_and_entropy_from_logits,
@@ -30,6 +31,16 @@ from tests.memory_tracker import MemoryTracker
 from .tp_workers import CASES, IGNORE, RMPAD_R, Case, build, layout, rmpad_problem, tp_worker
 
 WORLDS = [2, 4]
+
+# The vocabulary-parallel calls in a world of one (torch.distributed not initialized).
+_ONE = {"vocab_parallel": VocabParallel()}
+lp_vp = functools.partial(R.log_probs_from_logits, **_ONE)
+ent_vp = functools.partial(R.entropy_from_logits, **_ONE)
+lp_ent_vp = functools.partial(R.log_probs_and_entropy_from_logits, **_ONE)
+kl_vp = functools.partial(R.kl_from_logits, **_ONE)
+pi2_vp = functools.partial(R.sum_pi_squared_from_logits, **_ONE)
+head_vp = functools.partial(R.log_probs_and_entropy_from_hidden, **_ONE)
+rmpad_vp = functools.partial(R.log_probs_from_logits_response_rmpad, **_ONE)
 
 
 def tol(case: Case) -> dict:
@@ -83,7 +94,7 @@ def single_process_logits(case: Case, world: int, fn: str) -> dict:
 
 @functools.cache
 def _single_process_logits(case: Case, padded: int, fn: str) -> dict:
-    """Values and full-vocabulary gradients from rlmath.logprobs (``fn="rlmath"``) or the math.
+    """Values and full-vocabulary gradients from rlmath.log_probs (``fn="rlmath"``) or the math.
 
     Depends on the world size only through the padded width (cached on it).
     """
@@ -139,7 +150,7 @@ def single_process_head(case: Case, world: int, fn: str) -> dict:
 
 @functools.cache
 def _single_process_head(case: Case, padded: int, fn: str) -> dict:
-    """The unsharded head: rlmath.fused_head (``fn="fused"``) or full logits + rlmath.logprobs.
+    """The unsharded head: rlmath.fused_head (``fn="fused"``) or full logits + rlmath.log_probs.
 
     An ignored position gives log-prob and entropy 0 (the fused head's rule).
     """
@@ -340,18 +351,16 @@ def test_gradcheck_log_probs_entropy_world_one():
     x.requires_grad_()
 
     def f(z):
-        return vp.vocab_parallel_log_probs_and_entropy(z, labels, temperature=temp, chunk_size=4)
+        return lp_ent_vp(z, labels, temperature=temp, chunk_size=4)
 
     assert gradcheck(f, (x,))
-    assert gradcheck(lambda z: vp.vocab_parallel_entropy(z, temperature=0.7, chunk_size=2), (x,))
+    assert gradcheck(lambda z: ent_vp(z, temperature=0.7, chunk_size=2), (x,))
     # Padding columns (vocab_size) are out of the softmax and get no gradient.
     assert gradcheck(
-        lambda z: vp.vocab_parallel_log_probs_from_logits(
-            z, labels.clamp(max=9), vocab_size=10, chunk_size=4
-        ),
+        lambda z: lp_vp(z, labels.clamp(max=9), vocab_size=10, chunk_size=4),
         (x,),
     )
-    lp = vp.vocab_parallel_log_probs_from_logits(x, labels.clamp(max=9), vocab_size=10)
+    lp = lp_vp(x, labels.clamp(max=9), vocab_size=10)
     lp.sum().backward()
     assert (x.grad[..., 10:] == 0).all()
     want = log_probs_from_logits(x[..., :10], _safe_labels(labels.clamp(max=9)))
@@ -363,7 +372,7 @@ def test_gradcheck_kl_world_one():
     ref = (x * 0.5 + 0.1).clone().requires_grad_()
     x.requires_grad_()
     assert gradcheck(
-        lambda z, r: vp.vocab_parallel_kl_from_logits(z, r, temperature=temp, chunk_size=2),
+        lambda z, r: kl_vp(z, r, temperature=temp, chunk_size=2),
         (x, ref),
     )
 
@@ -377,11 +386,11 @@ def test_gradcheck_fused_head_world_one():
     labels[1, 2] = IGNORE
 
     def f(h, w, b):
-        return vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+        return head_vp(
             h,
             w,
             labels,
-            bias_shard=b,
+            bias=b,
             temperature=1.3,
             vocab_size=9,
             chunk_size=4,
@@ -398,7 +407,7 @@ def test_fused_head_never_reads_ignored_rows():
     h.requires_grad_()
     w = torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.tensor([3, IGNORE, 5, 0])
-    lp, ent = vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w, labels, chunk_size=2)
+    lp, ent = head_vp(h, w, labels, chunk_size=2)
     assert lp[1] == 0 and ent[1] == 0
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     (lp.sum() + ent.sum()).backward()
@@ -409,7 +418,7 @@ def test_fused_head_never_reads_ignored_rows():
 def test_world_one_equals_single_process_and_keeps_inputs():
     x, labels, temp = _problem(3, dtype=torch.float32)
     before = x.clone()
-    lp, ent = vp.vocab_parallel_log_probs_and_entropy(x, labels, temperature=temp)
+    lp, ent = lp_ent_vp(x, labels, temperature=temp)
     want_lp, want_ent = log_probs_and_entropy_from_logits(
         x, labels, temperature=temp, ignore_index=IGNORE
     )
@@ -444,9 +453,9 @@ def test_memory_is_bounded_world_one(dtype):
     labels = torch.randint(0, 900, (MEM_N,))
     kw = {"chunk_size": MEM_CHUNK, "vocab_size": 900}
     fns = [
-        lambda x: vp.vocab_parallel_log_probs_and_entropy(x, labels, temperature=0.8, **kw),
-        lambda x: vp.vocab_parallel_entropy(x, **kw),
-        lambda x: vp.vocab_parallel_kl_from_logits(x, r, **kw),
+        lambda x: lp_ent_vp(x, labels, temperature=0.8, **kw),
+        lambda x: ent_vp(x, **kw),
+        lambda x: kl_vp(x, r, **kw),
     ]
     n_v = MEM_N * MEM_V
     # A few fp32 chunk buffers and per-row numbers; an fp32 (N, V) copy is 8 times more.
@@ -470,9 +479,7 @@ def test_fused_head_never_allocates_the_logits_world_one():
     weight = torch.randn(v, h, requires_grad=True)
     labels = torch.randint(0, v, (n,))
     mem = _tracked(
-        lambda a, b: vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-            a, b, labels, chunk_size=64, vocab_chunk_size=256
-        ),
+        lambda a, b: head_vp(a, b, labels, chunk_size=64, vocab_chunk_size=256),
         hidden,
         weight,
     )
@@ -484,7 +491,7 @@ def test_fused_head_never_allocates_the_logits_world_one():
 def test_bf16_logits_give_fp32_results():
     x, labels, _ = _problem(4, dtype=torch.bfloat16)
     x.requires_grad_()
-    lp = vp.vocab_parallel_log_probs_from_logits(x, labels)
+    lp = lp_vp(x, labels)
     assert lp.dtype == torch.float32
     lp.sum().backward()
     assert x.grad.dtype == torch.bfloat16
@@ -493,39 +500,40 @@ def test_bf16_logits_give_fp32_results():
 def test_bad_input():
     x, labels, _ = _problem()
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels, temperature=0.0)
-    with pytest.raises(ValueError, match="ignore_index must not be a token id"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels, ignore_index=3)
-    # An id past the real vocabulary is fine as ignore_index.
-    vp.vocab_parallel_log_probs_from_logits(x, labels.clamp(min=0), ignore_index=20, vocab_size=13)
-    with pytest.raises(ValueError, match="vocab_start_index must be >= 0"):
-        vp.vocab_parallel_entropy(x, vocab_start_index=-1)
+        lp_vp(x, labels, temperature=0.0)
+    # Any ignore_index is accepted, a token id too (as in one process): those labels
+    # are skipped.
+    ig = lp_vp(x, labels.clamp(min=0), ignore_index=3)
+    assert (ig[labels.clamp(min=0) == 3] == 0).all()
+    lp_vp(x, labels.clamp(min=0), ignore_index=20, vocab_size=13)
+    with pytest.raises(ValueError, match="vocab_parallel.start must be >= 0"):
+        R.entropy_from_logits(x, vocab_parallel=VocabParallel(start=-1))
+    with pytest.raises(TypeError, match="vocab_parallel must be an rlmath.VocabParallel"):
+        R.entropy_from_logits(x, vocab_parallel={"group": None})
     with pytest.raises(TypeError, match="vocab_size must be an int"):
-        vp.vocab_parallel_entropy(x, vocab_size=12.5)
+        ent_vp(x, vocab_size=12.5)
     with pytest.raises(ValueError, match="labels must have shape"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels[:, :2])
+        lp_vp(x, labels[:, :2])
     with pytest.raises(TypeError, match="labels must be an integer tensor"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels.double())
-    with pytest.raises(TypeError, match="logits_shard must be a floating-point tensor"):
-        vp.vocab_parallel_entropy(labels)
-    with pytest.raises(ValueError, match="ref_logits_shard must have the shape of logits_shard"):
-        vp.vocab_parallel_kl_from_logits(x, x[:, :2])
+        lp_vp(x, labels.double())
+    with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+        ent_vp(labels)
+    with pytest.raises(ValueError, match="ref_logits must have the shape of logits"):
+        kl_vp(x, x[:, :2])
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 13\)"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels + 13, validate=True)
+        lp_vp(x, labels + 13, validate=True)
     h = torch.randn(3, 5, 4, dtype=torch.float64)
     w = torch.randn(13, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"weight_shard must have shape \(V/tp, H\)"):
-        vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w[:, :3], labels)
-    with pytest.raises(ValueError, match=r"bias_shard must have shape \(V,\) = \(13,\)"):
-        vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-            h, w, labels, bias_shard=torch.zeros(12, dtype=torch.float64)
-        )
+    with pytest.raises(ValueError, match=r"weight must have shape \(V/tp, H\)"):
+        head_vp(h, w[:, :3], labels)
+    with pytest.raises(ValueError, match=r"bias must have shape \(V,\) = \(13,\)"):
+        head_vp(h, w, labels, bias=torch.zeros(12, dtype=torch.float64))
     # Mixed dtypes are promoted (to fp64 here), as in one process.
-    lp_mixed, _ = vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w.float(), labels)
+    lp_mixed, _ = head_vp(h, w.float(), labels)
     assert lp_mixed.dtype == torch.float64
     ids, mask = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
     packed = torch.zeros(10, 7, dtype=torch.float64)
-    rmpad = vp.vocab_parallel_log_probs_from_logits_response_rmpad
+    rmpad = rmpad_vp
     with pytest.raises(ValueError, match=r"response_length must be in \[1, 5\]"):
         rmpad(ids, mask, packed, 6)
     with pytest.raises(ValueError, match="attention_mask must have the shape of input_ids"):
@@ -535,4 +543,4 @@ def test_bad_input():
     with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
         rmpad(ids.float(), mask, packed, 2)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        vp.vocab_parallel_sum_pi_squared(x, temperature=-1.0)
+        pi2_vp(x, temperature=-1.0)

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmath import _device
+import rlmath as R
+from rlmath import VocabParallel, _device
 from rlmath.distributed import run_distributed
-from rlmath.distributed import vocab_parallel as vp
 from rlmath.engine.stats import ShardLayoutError
 
 
@@ -27,44 +27,54 @@ def _x() -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"vocab_start_index": 8}, {"vocab_start_index": 4}, {"vocab_size": 16}],
+    [
+        {"vocab_parallel": VocabParallel(start=8)},
+        {"vocab_parallel": VocabParallel(start=4)},
+        {"vocab_parallel": VocabParallel(), "vocab_size": 16},
+    ],
     ids=["start 8", "start 4", "vocab_size 16"],
 )
 def test_world_of_one_refuses_a_shard_of_a_larger_vocabulary(kwargs):
     x, labels = _x(), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="no other process holds the rest"):
-        vp.vocab_parallel_log_probs_from_logits(x, labels, **kwargs)
+        R.log_probs_from_logits(x, labels, **kwargs)
     with pytest.raises(ValueError, match="no other process holds the rest"):
-        vp.vocab_parallel_entropy(x, **kwargs)
+        R.entropy_from_logits(x, **kwargs)
     with pytest.raises(ValueError, match="no other process holds the rest"):
-        vp.vocab_parallel_kl_from_logits(x, x, **kwargs)
+        R.kl_from_logits(x, x, **kwargs)
     with pytest.raises(ValueError, match="no other process holds the rest"):
-        vp.vocab_parallel_sum_pi_squared(x, **kwargs)
+        R.sum_pi_squared_from_logits(x, **kwargs)
     h, w = torch.randn(3, 4), torch.randn(8, 4)
     with pytest.raises(ValueError, match="no other process holds the rest"):
-        vp.vocab_parallel_log_probs_and_entropy_from_hidden(h, w, labels, **kwargs)
+        R.log_probs_and_entropy_from_hidden(h, w, labels, **kwargs)
+
+
+def test_one_process_refuses_a_vocab_size_above_the_width():
+    with pytest.raises(ValueError, match="vocab_size=16 is more than the 8 columns of logits"):
+        R.entropy_from_logits(_x(), vocab_size=16)
 
 
 def test_world_of_one_accepts_the_whole_vocabulary_with_padding():
     x = _x()
-    full = vp.vocab_parallel_entropy(x, vocab_start_index=0)
-    assert torch.isfinite(full).all()
-    padded = vp.vocab_parallel_entropy(x, vocab_size=6)
-    torch.testing.assert_close(padded, vp.vocab_parallel_entropy(x[:, :6]), rtol=0, atol=0)
+    one = VocabParallel()
+    full = R.entropy_from_logits(x, vocab_parallel=VocabParallel(start=0))
+    assert torch.equal(full, R.entropy_from_logits(x))
+    padded = R.entropy_from_logits(x, vocab_size=6, vocab_parallel=one)
+    torch.testing.assert_close(padded, R.entropy_from_logits(x[:, :6]), rtol=0, atol=0)
+    torch.testing.assert_close(R.entropy_from_logits(x, vocab_size=6), padded, rtol=0, atol=0)
 
 
 def _calls(x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
     labels = torch.tensor([0, 1, 2])
     h = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     w = torch.randn(x.shape[-1], 4, generator=torch.Generator().manual_seed(2))
+    vp = VocabParallel(group=dist.group.WORLD, start=start)
     return {
-        "lp": vp.vocab_parallel_log_probs_from_logits(x, labels, vocab_start_index=start),
-        "ent": vp.vocab_parallel_entropy(x, vocab_start_index=start),
-        "kl": vp.vocab_parallel_kl_from_logits(x, x.flip(0), vocab_start_index=start),
-        "pi2": vp.vocab_parallel_sum_pi_squared(x, vocab_start_index=start),
-        "head": vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-            h, w, labels, vocab_start_index=start
-        )[0],
+        "lp": R.log_probs_from_logits(x, labels, vocab_parallel=vp),
+        "ent": R.entropy_from_logits(x, vocab_parallel=vp),
+        "kl": R.kl_from_logits(x, x.flip(0), vocab_parallel=vp),
+        "pi2": R.sum_pi_squared_from_logits(x, vocab_parallel=vp),
+        "head": R.log_probs_and_entropy_from_hidden(h, w, labels, vocab_parallel=vp)[0],
     }
 
 

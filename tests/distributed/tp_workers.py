@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from rlmath.distributed import vocab_parallel as vp
+import rlmath as R
+from rlmath import VocabParallel
 
 IGNORE = -100
 
@@ -63,11 +64,11 @@ def layout(case: Case, world: int) -> tuple[int, list[tuple[int, int]]]:
     return padded, [(r * width, width) for r in range(world)]
 
 
-def tp_kwargs(case: Case, world: int, r: int) -> dict:
+def tp_kwargs(case: Case, world: int, r: int, group=None) -> dict:
+    """The keyword arguments that make a call vocabulary-parallel on rank ``r`` of ``group``."""
     padded, shards = layout(case, world)
-    kw: dict = {}
-    if case.layout == "explicit":
-        kw["vocab_start_index"] = shards[r][0]
+    start = shards[r][0] if case.layout == "explicit" else None
+    kw: dict = {"vocab_parallel": VocabParallel(group=group, start=start)}
     if case.layout == "vocab_size":
         kw["vocab_size"] = case.vocab
     return kw
@@ -125,19 +126,17 @@ def run_logits_case(case: Case, world: int, r: int, group=None) -> dict:
     padded, shards = layout(case, world)
     data = build(case, padded)
     start, width = shards[r]
-    kw = tp_kwargs(case, world, r)
-    if group is not None:
-        kw["group"] = group
+    kw = tp_kwargs(case, world, r, group)
     x = data["logits"][..., start : start + width].clone()
     ref = data["ref_logits"][..., start : start + width].clone()
     x_before, ref_before = x.clone(), ref.clone()
     temp, labels, coef = data["temperature"], data["labels"], data["coef"]
     leaves = [x.clone().requires_grad_() for _ in range(4)]
     ref_leaf = ref.clone().requires_grad_()
-    lp = vp.vocab_parallel_log_probs_from_logits(leaves[0], labels, temperature=temp, **kw)
-    ent = vp.vocab_parallel_entropy(leaves[1], temperature=temp, **kw)
-    lp2, ent2 = vp.vocab_parallel_log_probs_and_entropy(leaves[2], labels, temperature=temp, **kw)
-    kl = vp.vocab_parallel_kl_from_logits(leaves[3], ref_leaf, temperature=temp, **kw)
+    lp = R.log_probs_from_logits(leaves[0], labels, temperature=temp, **kw)
+    ent = R.entropy_from_logits(leaves[1], temperature=temp, **kw)
+    lp2, ent2 = R.log_probs_and_entropy_from_logits(leaves[2], labels, temperature=temp, **kw)
+    kl = R.kl_from_logits(leaves[3], ref_leaf, temperature=temp, **kw)
     loss = _loss(coef[0], lp) + _loss(coef[1], ent) + _loss(coef[2], lp2) + _loss(coef[3], ent2)
     (loss + _loss(coef[5], kl)).backward()
     res = {
@@ -154,13 +153,11 @@ def run_logits_case(case: Case, world: int, r: int, group=None) -> dict:
         "unchanged": torch.equal(x, x_before) and torch.equal(ref, ref_before),
     }
     # The chunk size changes nothing but speed and memory.
-    res["lp_chunk3"] = vp.vocab_parallel_log_probs_from_logits(
-        x, labels, temperature=temp, chunk_size=3, **kw
-    )
-    res["validated"] = vp.vocab_parallel_log_probs_and_entropy(
+    res["lp_chunk3"] = R.log_probs_from_logits(x, labels, temperature=temp, chunk_size=3, **kw)
+    res["validated"] = R.log_probs_and_entropy_from_logits(
         x, labels, temperature=temp, validate=True, **kw
     )[0]
-    res["sum_pi_sq"] = vp.vocab_parallel_sum_pi_squared(x, temperature=temp, **kw)
+    res["sum_pi_sq"] = R.sum_pi_squared_from_logits(x, temperature=temp, **kw)
     return res
 
 
@@ -187,9 +184,10 @@ def run_rmpad_case(world: int, r: int) -> dict:
     ids, mask, logits, temperature, coef = rmpad_problem()
     bounds = [round(k * logits.shape[1] / world) for k in range(world + 1)]
     x = logits[:, bounds[r] : bounds[r + 1]].clone().requires_grad_()
-    logp = vp.vocab_parallel_log_probs_from_logits_response_rmpad(
-        ids, mask, x.unsqueeze(0), RMPAD_R, temperature=temperature, vocab_start_index=bounds[r]
-    )
+    logp = R.log_probs_from_logits_response_rmpad(
+        ids, mask, x.unsqueeze(0), RMPAD_R, temperature=temperature,
+        vocab_parallel=VocabParallel(start=bounds[r]),
+    )  # fmt: skip
     (coef * logp).sum().backward()
     return {"logp": logp.detach(), "grad": x.grad, "bounds": bounds}
 
@@ -203,11 +201,11 @@ def run_head_case(case: Case, world: int, r: int) -> dict:
     w = data["weight"][start : start + width].clone().requires_grad_()
     b = data["bias"][start : start + width].clone().requires_grad_()
     labels, coef = data["labels"], data["coef"]
-    lp, ent = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+    lp, ent = R.log_probs_and_entropy_from_hidden(
         h,
         w,
         labels,
-        bias_shard=b,
+        bias=b,
         temperature=data["temperature"],
         chunk_size=7,
         vocab_chunk_size=10,
@@ -218,14 +216,9 @@ def run_head_case(case: Case, world: int, r: int) -> dict:
     # its own part of grad_hidden (the test sums them).
     h2 = data["hidden"].clone().requires_grad_()
     w2 = data["weight"][start : start + width].clone().requires_grad_()
-    lp_nb, none = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
-        h2,
-        w2,
-        labels,
-        temperature=data["temperature"],
-        return_entropy=False,
-        reduce_grad_hidden=False,
-        **kw,
+    own_part = {**kw, "vocab_parallel": replace(kw["vocab_parallel"], reduce_grad_hidden=False)}
+    lp_nb, none = R.log_probs_and_entropy_from_hidden(
+        h2, w2, labels, temperature=data["temperature"], return_entropy=False, **own_part
     )
     _loss(coef[2], lp_nb).backward()
     return {
@@ -254,19 +247,26 @@ def run_validation_checks(world: int, r: int) -> dict:
     g = torch.Generator().manual_seed(5)  # the same tokens on every rank
     x = torch.randn(4, 10, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 10 * world, (4,), generator=g)
+    shard = VocabParallel()
     out = {
         # Every rank claims column 0: overlapping shards.
-        "overlap": _error(lambda: vp.vocab_parallel_entropy(x, vocab_start_index=0, validate=True)),
+        "overlap": _error(
+            lambda: R.entropy_from_logits(x, vocab_parallel=VocabParallel(start=0), validate=True)
+        ),
         "label_range": _error(
-            lambda: vp.vocab_parallel_log_probs_from_logits(
-                x, torch.full((4,), 10 * world), validate=True
+            lambda: R.log_probs_from_logits(
+                x, torch.full((4,), 10 * world), vocab_parallel=shard, validate=True
             )
         ),
-        "rows": _error(lambda: vp.vocab_parallel_entropy(x[: 1 + r % 2], validate=True)),
-        "labels_differ": _error(
-            lambda: vp.vocab_parallel_log_probs_from_logits(x, labels + r, validate=True)
+        "rows": _error(
+            lambda: R.entropy_from_logits(x[: 1 + r % 2], vocab_parallel=shard, validate=True)
         ),
-        "ok": _error(lambda: vp.vocab_parallel_log_probs_from_logits(x, labels, validate=True)),
+        "labels_differ": _error(
+            lambda: R.log_probs_from_logits(x, labels + r, vocab_parallel=shard, validate=True)
+        ),
+        "ok": _error(
+            lambda: R.log_probs_from_logits(x, labels, vocab_parallel=shard, validate=True)
+        ),
     }
     return out
 

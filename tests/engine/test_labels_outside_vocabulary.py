@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from rlmath import (
+    VocabParallel,
     log_probs_and_entropy_from_hidden,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
     log_probs_from_logits_response,
 )
+from rlmath import log_probs_and_entropy_from_hidden as head
 from rlmath.distributed import run_distributed
-from rlmath.distributed import vocab_parallel as vp
 from rlmath.engine import available_backends
 from rlmath.fused_head import FusedLMHeadLogProbs
 
@@ -78,7 +79,7 @@ def test_logits_path(bad, entropy, backend):
 
 def test_minus_100_without_ignore_index_is_nan():
     x = _logits()
-    lp = log_probs_from_logits(x, torch.tensor([3, -100, 0, 1, 2]))
+    lp = log_probs_from_logits(x, torch.tensor([3, -100, 0, 1, 2]), ignore_index=None)
     assert torch.isnan(lp[1]) and torch.isfinite(lp[[0, 2, 3, 4]]).all()
 
 
@@ -133,7 +134,9 @@ def test_validate_raises_naming_labels_on_every_path():
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 11\).*found 11"):
         log_probs_from_logits(x, labels, ignore_index=-100, validate=True)
     with pytest.raises(ValueError, match="labels must lie in"):
-        log_probs_and_entropy_from_logits(x, torch.tensor([3, -100, 0, 1, 2]), validate=True)
+        log_probs_and_entropy_from_logits(
+            x, torch.tensor([3, -100, 0, 1, 2]), ignore_index=None, validate=True
+        )
     gen = torch.Generator().manual_seed(4)
     h, w = torch.randn(5, 4, generator=gen), torch.randn(V, 4, generator=gen)
     with pytest.raises(ValueError, match="labels must lie in"):
@@ -153,7 +156,7 @@ def test_validate_raises_naming_labels_on_every_path():
 
 def test_vocab_parallel_world_of_one():
     x = _logits().requires_grad_()
-    lp = vp.vocab_parallel_log_probs_from_logits(x, _labels(11))
+    lp = log_probs_from_logits(x, _labels(11), vocab_parallel=VocabParallel())
     (g,) = torch.autograd.grad(lp.sum(), x)
     assert torch.isnan(lp[1]) and torch.isnan(g[1]).all() and lp[3] == 0
     assert torch.isfinite(lp[[0, 2, 4]]).all() and torch.isfinite(g[[0, 2, 3, 4]]).all()
@@ -166,16 +169,18 @@ def _tp_worker(_: None) -> dict[str, torch.Tensor]:
     shard = full[:, rank * width : (rank + 1) * width].clone().requires_grad_()
     # vocab_size 10: columns 10 and 11 are padding, so labels 10 and 11 are not tokens.
     labels = torch.tensor([3, 10, -100, 11])
-    lp = vp.vocab_parallel_log_probs_from_logits(shard, labels, vocab_size=10)
+    tp = VocabParallel(group=dist.group.WORLD)
+    lp = log_probs_from_logits(shard, labels, vocab_size=10, vocab_parallel=tp)
     (g,) = torch.autograd.grad(lp.sum(), shard)
-    lp_k = vp.vocab_parallel_log_probs_from_logits(
-        shard.detach(), torch.tensor([[3, 12], [-7, 2], [0, 1], [4, 5]]), vocab_size=10
-    )
+    lp_k = log_probs_from_logits(
+        shard.detach(), torch.tensor([[3, 12], [-7, 2], [0, 1], [4, 5]]), vocab_size=10,
+        vocab_parallel=tp,
+    )  # fmt: skip
     h = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
     weight = torch.randn(12, 3, generator=torch.Generator().manual_seed(7))
-    lp_h, _ = vp.vocab_parallel_log_probs_and_entropy_from_hidden(
+    lp_h, _ = head(
         h, weight[rank * width : (rank + 1) * width], torch.tensor([3, 10, -100, 40]),
-        vocab_size=10,
+        vocab_size=10, vocab_parallel=tp,
     )  # fmt: skip
     # Padding columns (global id >= vocab_size) always get a zero gradient.
     real = max(0, min(width, 10 - rank * width))

@@ -48,7 +48,6 @@ def _cases():
             lambda x: R.log_probs_from_logits(x, labels, temperature=temp),
             (x,),
         ),
-        "logprobs_from_logits": (lambda x: R.logprobs_from_logits(x, labels), (x,)),
         "entropy_from_logits": (lambda x: R.entropy_from_logits(x, temperature=0.7), (x,)),
         "log_probs_and_entropy_from_logits": (
             lambda x: R.log_probs_and_entropy_from_logits(x, ignored, ignore_index=-100),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
-from rlmath.logprobs import log_probs_and_entropy_from_logits
+from rlmath.log_probs import log_probs_and_entropy_from_logits
 from tests.memory_tracker import MemoryTracker
 
 # Every test runs with the head's fp32 CPU matmuls in torch's BLAS and in oneDNN.

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlmath.engine.torch_backend import cpu_matmul
-from rlmath.fused_head import linear_logprobs_entropy, log_probs_and_entropy_from_hidden
-from rlmath.logprobs import log_probs_and_entropy_from_logits
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
+from rlmath.log_probs import log_probs_and_entropy_from_logits
 from tests.fused_head.reference import (
     logits64,
     make,
@@ -321,7 +321,3 @@ def test_per_sequence_temperature_and_non_contiguous_inputs():
     ref_lp, ref_ent = ref_fused(hidden, weight, labels, temperature=t)
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(ent, ref_ent)
-
-
-def test_design_name_is_the_same_function():
-    assert linear_logprobs_entropy is log_probs_and_entropy_from_hidden

@@ -70,14 +70,16 @@ def test_padded_vocabulary():
     m = model("llama")
     ids, mask = batch(response=R)
     ids = ids.clamp_max(49)
-    lp, ent = response_log_probs(m, ids, mask, R, ignore_vocab_padding=50)
+    lp, ent = response_log_probs(m, ids, mask, R, vocab_size=50)
     rlp, rent = reference(m, ids, mask, R, vocab=50)
     torch.testing.assert_close(lp, rlp, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ent, rent, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="config.vocab_size"):
-        response_log_probs(m, ids, mask, R, ignore_vocab_padding=True)
-    with pytest.raises(ValueError, match="ignore_vocab_padding"):
-        response_log_probs(m, ids, mask, R, ignore_vocab_padding=VOCAB + 1)
+    with pytest.raises(TypeError, match="vocab_size must be an int"):
+        response_log_probs(m, ids, mask, R, vocab_size=True)
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        response_log_probs(m, ids, mask, R, vocab_size=VOCAB + 1)
+    with pytest.raises(TypeError, match="ignore_vocab_padding is now called vocab_size"):
+        response_log_probs(m, ids, mask, R, ignore_vocab_padding=50)
 
 
 def test_no_logits_sized_tensor_is_created():

@@ -12,7 +12,6 @@ from rlmath import (
     kl_from_logits,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
-    logprobs_from_logits,
 )
 from tests.logprobs.reference import ref_entropy, ref_kl, ref_log_probs
 
@@ -311,7 +310,9 @@ def test_nan_logits_stay_visible():
     assert kl_from_logits(ref, logits)[1].isnan()
 
 
-def test_verl_alias():
+def test_verl_spelling_lives_in_compat():
+    from rlmath.compat.verl import logprobs_from_logits
+
     logits = make_logits((4, 30), torch.float32)
     labels = torch.randint(0, 30, (4,))
     expected = log_probs_from_logits(logits, labels)

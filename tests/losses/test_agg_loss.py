@@ -37,7 +37,7 @@ def test_modes_are_the_documented_ones():
 def test_matches_reference_and_gradient(mode, seed):
     loss, mask = _case(seed)
     x = loss.clone().requires_grad_()
-    got = agg_loss(x, mask, mode, norm_length=9)
+    got = agg_loss(x, mask, loss_agg_mode=mode, norm_length=9)
     got.backward()
     y = loss.clone().requires_grad_()
     want = ref_agg({(i, j): y[i, j] for i in range(5) for j in range(7)}, mask, mode, 9)
@@ -52,21 +52,21 @@ def test_fully_masked_sequences_do_not_count():
     loss = torch.tensor([[1.0, 3.0], [100.0, 100.0], [5.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True], [False, False], [True, False]])
     # two sequences: token means 2 and 5, token sums 4 and 5
-    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.5)
-    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(4.5)
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=4).item() == pytest.approx(
-        4.5 / 4
-    )
-    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(3.0)
-    assert agg_loss(loss, mask, "token-sum").item() == pytest.approx(9.0)
+    assert agg_loss(loss, mask, loss_agg_mode="seq-mean-token-mean").item() == pytest.approx(3.5)
+    assert agg_loss(loss, mask, loss_agg_mode="seq-mean-token-sum").item() == pytest.approx(4.5)
+    assert agg_loss(
+        loss, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=4
+    ).item() == pytest.approx(4.5 / 4)
+    assert agg_loss(loss, mask, loss_agg_mode="token-mean").item() == pytest.approx(3.0)
+    assert agg_loss(loss, mask, loss_agg_mode="token-sum").item() == pytest.approx(9.0)
 
 
 def test_norm_length_is_a_constant_not_the_padded_width():
     loss, mask = _case(3)
     padded = torch.cat([loss, torch.zeros(5, 4, dtype=torch.float64)], dim=1)
     pmask = torch.cat([mask, torch.zeros(5, 4, dtype=torch.bool)], dim=1)
-    a = agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=16)
-    b = agg_loss(padded, pmask, "seq-mean-token-sum-norm", norm_length=16)
+    a = agg_loss(loss, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=16)
+    b = agg_loss(padded, pmask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=16)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -74,7 +74,7 @@ def test_norm_length_is_a_constant_not_the_padded_width():
 def test_empty_batch_gives_zero_with_zero_gradient(mode):
     x = torch.randn(3, 4, dtype=torch.float32, requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
-    out = agg_loss(x, mask, mode, norm_length=4)
+    out = agg_loss(x, mask, loss_agg_mode=mode, norm_length=4)
     out.backward()
     assert out.item() == 0.0 and (x.grad == 0).all()
 
@@ -83,15 +83,15 @@ def test_empty_batch_gives_zero_with_zero_gradient(mode):
 def test_global_counts_and_dp_size_scale(mode):
     loss, mask = _case(4)
     info = global_batch_info(mask)
-    full = agg_loss(loss, mask, mode, norm_length=7)
+    full = agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7)
     # With the batch's own counts and dp_size = 3, the loss is 3x the plain one.
-    scaled = agg_loss(loss, mask, mode, norm_length=7, dp_size=3, **{
+    scaled = agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7, dp_size=3, **{
         k: v for k, v in info.items() if k != "dp_size"
     })  # fmt: skip
     torch.testing.assert_close(scaled, 3 * full, rtol=1e-12, atol=1e-12)
     # Python-number counts work the same way as tensors.
     plain = agg_loss(
-        loss, mask, mode, norm_length=7,
+        loss, mask, loss_agg_mode=mode, norm_length=7,
         global_num_tokens=float(info["global_num_tokens"]),
         global_num_seqs=int(info["global_num_seqs"]),
     )  # fmt: skip
@@ -105,8 +105,8 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, mode):
     mask = ragged_mask(16, 64, gen)
     loss = torch.randn(16, 64, generator=gen, dtype=torch.float64) + 3
     low = loss.to(dtype)
-    got = agg_loss(low, mask, mode, norm_length=64)
-    want = agg_loss(low.to(torch.float64), mask, mode, norm_length=64)
+    got = agg_loss(low, mask, loss_agg_mode=mode, norm_length=64)
+    want = agg_loss(low.to(torch.float64), mask, loss_agg_mode=mode, norm_length=64)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
 
@@ -115,8 +115,8 @@ def test_float_mask_weights():
     loss = torch.tensor([[1.0, 2.0, 4.0]], dtype=torch.float64)
     w = torch.tensor([[0.5, 0.0, 2.0]], dtype=torch.float64)
     # token-mean with frequency weights: (0.5·1 + 2·4) / 2.5
-    assert agg_loss(loss, w, "token-mean").item() == pytest.approx(8.5 / 2.5)
-    assert agg_loss(loss, w, "token-sum").item() == pytest.approx(8.5)
+    assert agg_loss(loss, w, loss_agg_mode="token-mean").item() == pytest.approx(8.5 / 2.5)
+    assert agg_loss(loss, w, loss_agg_mode="token-sum").item() == pytest.approx(8.5)
     assert global_batch_info(w)["global_num_tokens"].item() == pytest.approx(2.5)
 
 
@@ -130,7 +130,10 @@ def test_values_under_mask_never_leak(garbage, mode, seed):
     dirty = torch.where(mask, loss, torch.full_like(loss, garbage))
     a = loss.clone().requires_grad_()
     b = dirty.clone().requires_grad_()
-    ra, rb = agg_loss(a, mask, mode, norm_length=5), agg_loss(b, mask, mode, norm_length=5)
+    ra, rb = (
+        agg_loss(a, mask, loss_agg_mode=mode, norm_length=5),
+        agg_loss(b, mask, loss_agg_mode=mode, norm_length=5),
+    )
     ra.backward()
     rb.backward()
     assert torch.equal(ra, rb)
@@ -167,18 +170,18 @@ def test_bad_input():
     x = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        agg_loss(x, m, "mean")
+        agg_loss(x, m, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="token-mean, token-sum"):
-        agg_loss(x, m, "seq-mean")  # the message lists the valid modes
+        agg_loss(x, m, loss_agg_mode="seq-mean")  # the message lists the valid modes
     with pytest.raises(ValueError, match="norm_length"):
-        agg_loss(x, m, "seq-mean-token-sum-norm")
+        agg_loss(x, m, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="norm_length"):
-        agg_loss(x, m, "seq-mean-token-sum-norm", norm_length=0)
+        agg_loss(x, m, loss_agg_mode="seq-mean-token-sum-norm", norm_length=0)
     with pytest.raises(ValueError, match="global_num_tokens"):
-        agg_loss(x, m, "token-mean", dp_size=2)
+        agg_loss(x, m, loss_agg_mode="token-mean", dp_size=2)
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         with pytest.raises(ValueError, match="global_num_seqs"):
-            agg_loss(x, m, mode, dp_size=2)
+            agg_loss(x, m, loss_agg_mode=mode, dp_size=2)
     with pytest.raises(ValueError, match="dp_size"):
         agg_loss(x, m, dp_size=0)
     with pytest.raises(TypeError, match="dp_size"):
@@ -186,7 +189,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="global_num_tokens"):
         agg_loss(x, m, global_num_tokens=-1)
     with pytest.raises(ValueError, match="loss_mask must have the shape"):
-        agg_loss(x, torch.ones(3, 2), "token-mean")
+        agg_loss(x, torch.ones(3, 2), loss_agg_mode="token-mean")
     with pytest.raises(TypeError, match="loss_mat"):
         agg_loss(torch.zeros(2, 3, dtype=torch.long), m)
     with pytest.raises(ValueError, match="loss_mask"):
@@ -206,7 +209,7 @@ def test_non_finite_or_non_positive_count_raises(arg, bad, mode):
     """A count of inf made the loss (and its gradient) exactly 0; now every mode refuses it."""
     loss, mask = _case(0)
     with pytest.raises(ValueError, match=rf"{arg} must be (> 0|finite)"):
-        agg_loss(loss, mask, mode, norm_length=7, **{arg: bad})
+        agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7, **{arg: bad})
 
 
 @pytest.mark.parametrize("arg", COUNT_ARGS)
@@ -217,7 +220,7 @@ def test_every_loss_refuses_an_infinite_count(arg, name):
     with pytest.raises(ValueError, match=arg):
         get_policy_loss(name)(old, logp, adv, mask, **{arg: float("inf")}, **kw)
     with pytest.raises(ValueError, match=arg):
-        compute_value_loss(logp, adv, old, mask, 0.2, **{arg: float("inf")})
+        compute_value_loss(logp, adv, old, mask, cliprange_value=0.2, **{arg: float("inf")})
     with pytest.raises(ValueError, match=arg):
         compute_entropy_loss(torch.randn(3, 5, 4), mask, **{arg: float("inf")})
 
@@ -229,13 +232,13 @@ def test_bad_tensor_count_gives_nan_without_a_host_read(mode):
     arg = "global_num_tokens" if mode == "token-mean" else "global_num_seqs"
     for bad in (float("inf"), float("nan"), -3.0):
         x = loss.clone().requires_grad_()
-        got = agg_loss(x, mask, mode, **{arg: torch.tensor(bad, dtype=torch.float64)})
+        got = agg_loss(x, mask, loss_agg_mode=mode, **{arg: torch.tensor(bad, dtype=torch.float64)})
         got.backward()
         assert got.isnan()
         assert x.grad[mask].isnan().all()
-    zero = agg_loss(loss, mask, mode, **{arg: torch.tensor(0.0, dtype=torch.float64)})
+    zero = agg_loss(loss, mask, loss_agg_mode=mode, **{arg: torch.tensor(0.0, dtype=torch.float64)})
     assert zero == 0  # no valid token anywhere in the step
-    good = agg_loss(loss, mask, mode, **{arg: torch.tensor(4.0)})
-    assert good == agg_loss(loss, mask, mode, **{arg: 4.0})
+    good = agg_loss(loss, mask, loss_agg_mode=mode, **{arg: torch.tensor(4.0)})
+    assert good == agg_loss(loss, mask, loss_agg_mode=mode, **{arg: 4.0})
     with pytest.raises(TypeError, match=arg):
-        agg_loss(loss, mask, mode, **{arg: torch.tensor(True)})
+        agg_loss(loss, mask, loss_agg_mode=mode, **{arg: torch.tensor(True)})

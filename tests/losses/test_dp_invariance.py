@@ -135,7 +135,9 @@ def test_value_loss_is_exact_under_dp(mode):
     tensors = {"vp": vp, "ret": ret, "val": val, "mask": mask}
 
     def loss_fn(t, agg):
-        return compute_value_loss(t["vp"], t["ret"], t["val"], t["mask"], 0.3, mode, **agg)[0]
+        return compute_value_loss(
+            t["vp"], t["ret"], t["val"], t["mask"], cliprange_value=0.3, loss_agg_mode=mode, **agg
+        )[0]
 
     _simulate(loss_fn, tensors, "vp", 5)
 
@@ -148,7 +150,7 @@ def test_entropy_loss_is_exact_under_dp(mode):
     tensors = {"logits": logits, "mask": mask}
 
     def loss_fn(t, agg):
-        return compute_entropy_loss(t["logits"], t["mask"], mode, **agg)
+        return compute_entropy_loss(t["logits"], t["mask"], loss_agg_mode=mode, **agg)[0]
 
     _simulate(loss_fn, tensors, "logits", 6)
 

@@ -26,7 +26,9 @@ def test_matches_reference(mode, temperature):
     gen = torch.Generator().manual_seed(4)
     mask = ragged_mask(4, 5, gen)
     logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64) * 2
-    got = compute_entropy_loss(logits, mask, mode, temperature=temperature, norm_length=5)
+    got = compute_entropy_loss(
+        logits, mask, loss_agg_mode=mode, temperature=temperature, norm_length=5
+    )[0]
     per = {
         (i, t): torch.tensor(_ref_entropy(logits[i, t], temperature), dtype=torch.float64)
         for i in range(4)
@@ -41,7 +43,7 @@ def test_gradient_is_minus_p_times_centred_logits():
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(1, 1, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(1, 1, dtype=torch.bool)
-    compute_entropy_loss(logits, mask).backward()
+    compute_entropy_loss(logits, mask)[0].backward()
     p = torch.softmax(logits.detach(), -1)
     z = logits.detach()
     want = -p * (z - (p * z).sum(-1, keepdim=True))
@@ -53,7 +55,7 @@ def test_minus_inf_logits_give_no_nan():
         [[[0.0, -math.inf, 1.0, -math.inf]]], dtype=torch.float64, requires_grad=True
     )
     mask = torch.ones(1, 1, dtype=torch.bool)
-    loss = compute_entropy_loss(logits, mask)
+    loss = compute_entropy_loss(logits, mask)[0]
     loss.backward()
     assert loss.item() == pytest.approx(_ref_entropy(logits[0, 0].detach()))
     assert torch.isfinite(logits.grad).all()
@@ -64,8 +66,8 @@ def test_bf16_logits():
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(2, 3, 50, generator=gen).to(torch.bfloat16)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    got = compute_entropy_loss(logits, mask)
-    want = compute_entropy_loss(logits.double(), mask)
+    got = compute_entropy_loss(logits, mask)[0]
+    want = compute_entropy_loss(logits.double(), mask)[0]
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -80,4 +82,4 @@ def test_bad_input():
     with pytest.raises(ValueError, match="logits"):
         compute_entropy_loss(torch.zeros(4), torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        compute_entropy_loss(logits, mask, "mean")
+        compute_entropy_loss(logits, mask, loss_agg_mode="mean")

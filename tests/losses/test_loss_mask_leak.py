@@ -79,7 +79,10 @@ def test_value_loss(mode, garbage, seed):
     for dirty in (False, True):
         args = [_dirty(x, mask, garbage) if dirty else x for x in (vp, ret, val)]
         leaf = args[0].clone().requires_grad_()
-        loss, frac = compute_value_loss(leaf, args[1], args[2], mask, 0.2, mode, norm_length=5)
+        loss, frac = compute_value_loss(
+            leaf, args[1], args[2], mask, cliprange_value=0.2, loss_agg_mode=mode, norm_length=5
+        )
+        frac = frac["vf_clipfrac"]
         loss.backward()
         out.append((loss.detach(), frac, leaf.grad))
     for a, b in zip(*out):
@@ -95,7 +98,7 @@ def test_entropy_loss(mode, garbage, seed):
     for dirty in (False, True):
         x = torch.where(mask[..., None], logits, garbage) if dirty else logits
         leaf = x.clone().requires_grad_()
-        loss = compute_entropy_loss(leaf, mask, mode, norm_length=4)
+        loss = compute_entropy_loss(leaf, mask, loss_agg_mode=mode, norm_length=4)[0]
         loss.backward()
         out.append((loss.detach(), leaf.grad))
     for a, b in zip(*out):

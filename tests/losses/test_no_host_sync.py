@@ -62,13 +62,22 @@ def _calls(device):
     yield lambda: kl_cov_selection(old, logp, adv, mask, kl_cov_ratio=0.3, generator=gen)
     yield lambda: kl_cov_selection(old, logp, adv, mask, kl_cov_ratio=0.3)
     for mode in MODES:
-        yield lambda mode=mode: agg_loss(logp, mask, mode, norm_length=6)
+        yield lambda mode=mode: agg_loss(logp, mask, loss_agg_mode=mode, norm_length=6)
         yield lambda mode=mode: compute_value_loss(
-            logp.clone().requires_grad_(), adv, old, mask, 0.2, mode, norm_length=6
+            logp.clone().requires_grad_(),
+            adv,
+            old,
+            mask,
+            cliprange_value=0.2,
+            loss_agg_mode=mode,
+            norm_length=6,
         )[0].backward()
         yield lambda mode=mode: compute_entropy_loss(
-            torch.randn(4, 6, 9, device=device, requires_grad=True), mask, mode, norm_length=6
-        ).backward()
+            torch.randn(4, 6, 9, device=device, requires_grad=True),
+            mask,
+            loss_agg_mode=mode,
+            norm_length=6,
+        )[0].backward()
     for level in ("token", "sequence", "geometric"):
         for mode in ("truncate", "mask"):
             yield lambda level=level, mode=mode: rollout_correction(

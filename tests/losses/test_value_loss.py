@@ -35,7 +35,10 @@ def test_matches_reference(mode, c):
     mask = ragged_mask(5, 6, gen)
     vp, ret, val = (torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3))
     a = vp.clone().requires_grad_()
-    loss, frac = compute_value_loss(a, ret, val, mask, c, mode, norm_length=6)
+    loss, frac = compute_value_loss(
+        a, ret, val, mask, cliprange_value=c, loss_agg_mode=mode, norm_length=6
+    )
+    frac = frac["vf_clipfrac"]
     loss.backward()
     b = vp.clone().requires_grad_()
     want, want_frac = _ref(b, ret, val, mask, c, mode)
@@ -51,7 +54,10 @@ def test_clip_regions_by_hand():
     ret = torch.ones(1, 3, dtype=torch.float64)
     val = torch.zeros(1, 3, dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, frac = compute_value_loss(vp, ret, val, mask, 0.2, "token-sum")
+    loss, frac = compute_value_loss(
+        vp, ret, val, mask, cliprange_value=0.2, loss_agg_mode="token-sum"
+    )
+    frac = frac["vf_clipfrac"]
     loss.backward()
     # 0.5: clipped to 0.2, (0.2-1)^2 = 0.64 > 0.25 -> clipped term, no gradient
     # 0.1: inside the band, 0.81, gradient (0.1 - 1)
@@ -65,8 +71,9 @@ def test_low_precision_and_dtypes():
     gen = torch.Generator().manual_seed(3)
     mask = ragged_mask(4, 32, gen)
     vp, ret, val = (torch.randn(4, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
-    loss, frac = compute_value_loss(vp, ret, val, mask, 0.5)
-    want, _ = compute_value_loss(vp.double(), ret.double(), val.double(), mask, 0.5)
+    loss, frac = compute_value_loss(vp, ret, val, mask, cliprange_value=0.5)
+    frac = frac["vf_clipfrac"]
+    want, _ = compute_value_loss(vp.double(), ret.double(), val.double(), mask, cliprange_value=0.5)
     assert loss.dtype == torch.float32 and frac.dtype == torch.float32
     torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-6)
 
@@ -75,14 +82,14 @@ def test_bad_input():
     x = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="cliprange_value"):
-        compute_value_loss(x, x, x, m, -0.1)
+        compute_value_loss(x, x, x, m, cliprange_value=-0.1)
     with pytest.raises(ValueError, match="returns"):
-        compute_value_loss(x, torch.zeros(3, 2), x, m, 0.1)
+        compute_value_loss(x, torch.zeros(3, 2), x, m, cliprange_value=0.1)
     with pytest.raises(ValueError, match="values"):
-        compute_value_loss(x, x, torch.zeros(2), m, 0.1)
+        compute_value_loss(x, x, torch.zeros(2), m, cliprange_value=0.1)
     with pytest.raises(ValueError, match="response_mask"):
-        compute_value_loss(x, x, x, torch.ones(2, 2), 0.1)
+        compute_value_loss(x, x, x, torch.ones(2, 2), cliprange_value=0.1)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        compute_value_loss(x, x, x, m, 0.1, "mean")
+        compute_value_loss(x, x, x, m, cliprange_value=0.1, loss_agg_mode="mean")
     with pytest.raises(TypeError, match="vpreds"):
-        compute_value_loss(x.long(), x, x, m, 0.1)
+        compute_value_loss(x.long(), x, x, m, cliprange_value=0.1)

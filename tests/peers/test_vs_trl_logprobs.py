@@ -26,7 +26,7 @@ def test_selective_log_softmax(shape, dtype, gen):
     logits = randn(*shape, gen=gen, dtype=dtype, scale=3.0)
     labels = torch.randint(0, shape[-1], shape[:-1], generator=gen)
     x1, x2 = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
-    ours = rlmath.logprobs_from_logits(x1, labels)
+    ours = rlmath.log_probs_from_logits(x1, labels)
     theirs = trl_utils.selective_log_softmax(x2, labels)
     tol = TOL if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     assert_close(ours, theirs, **tol)
@@ -52,7 +52,7 @@ def test_bf16_precision_documented_difference(gen):
     logits = randn(3, 5, 2000, gen=gen, scale=4.0).to(torch.bfloat16)
     labels = torch.randint(0, 2000, (3, 5), generator=gen)
     exact = trl_utils.selective_log_softmax(logits.double(), labels)
-    ours = rlmath.logprobs_from_logits(logits, labels)
+    ours = rlmath.log_probs_from_logits(logits, labels)
     theirs = trl_utils.selective_log_softmax(logits, labels)
     assert (ours.double() - exact).abs().max() < 1e-5
     assert (theirs.double() - exact).abs().max() > 1e-3

@@ -61,7 +61,7 @@ def _with_grad(fn, logits, *args, **kw):
 def test_logprobs_from_logits(shape, dtype, gen):
     logits = randn(*shape, gen=gen, dtype=dtype, scale=3.0)
     labels = torch.randint(0, shape[-1], shape[:-1], generator=gen)
-    ours, g = _with_grad(rlmath.logprobs_from_logits, logits, labels)
+    ours, g = _with_grad(rlmath.log_probs_from_logits, logits, labels)
     theirs, gv = _with_grad(verl_F.logprobs_from_logits, logits, labels)
     assert ours.dtype == dtype
     tol = TOL if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
@@ -75,11 +75,11 @@ def test_logprobs_temperature_equals_verl_on_scaled_logits(temperature, gen):
     # verl applies temperature in place on the logits before calling logprobs_from_logits.
     logits = randn(3, 6, 40, gen=gen, scale=2.0)
     labels = torch.randint(0, 40, (3, 6), generator=gen)
-    ours = rlmath.logprobs_from_logits(logits, labels, temperature=temperature)
+    ours = rlmath.log_probs_from_logits(logits, labels, temperature=temperature)
     theirs = verl_F.logprobs_from_logits(logits / temperature, labels)
     assert_close(ours, theirs, **TOL)
     per_row = torch.full((3, 6), temperature)
-    assert_close(rlmath.logprobs_from_logits(logits, labels, temperature=per_row), theirs, **TOL)
+    assert_close(rlmath.log_probs_from_logits(logits, labels, temperature=per_row), theirs, **TOL)
 
 
 def test_logprobs_bf16_documented_difference(gen):
@@ -88,7 +88,7 @@ def test_logprobs_bf16_documented_difference(gen):
     logits = randn(4, 8, 3000, gen=gen, scale=4.0).to(torch.bfloat16)
     labels = torch.randint(0, 3000, (4, 8), generator=gen)
     exact = verl_F.logprobs_from_logits(logits.double(), labels)
-    ours = rlmath.logprobs_from_logits(logits, labels)
+    ours = rlmath.log_probs_from_logits(logits, labels)
     theirs = verl_F.logprobs_from_logits(logits, labels)
     assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16
     assert (ours.double() - exact).abs().max() < 1e-5
@@ -128,7 +128,7 @@ def test_entropy_neg_inf_logits_documented_difference(gen):
     # Log-probs of the finite labels agree (verl's logsumexp handles -inf).
     labels = torch.randint(0, 15, (4,), generator=gen)
     assert_close(
-        rlmath.logprobs_from_logits(logits, labels),
+        rlmath.log_probs_from_logits(logits, labels),
         verl_F.logprobs_from_logits(logits, labels),
         **TOL,
     )

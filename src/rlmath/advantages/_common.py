@@ -23,6 +23,7 @@ from rlmath._validation import (
     valid_mask,
 )
 from rlmath.advantages.groups import segment_ids
+from rlmath.masked import masked_whiten
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -66,56 +67,26 @@ def whiten_batch(
     valid: torch.Tensor | None = None,
     *,
     counts: torch.Tensor | None = None,
-    inplace: bool = False,
     group: ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Masked whitening over every valid token of the batch.
+    """Masked whitening over every valid token of the batch: :func:`rlmath.masked_whiten`.
 
     The single place where estimators whiten over the batch (GAE,
-    REINFORCE++, REINFORCE++-baseline, GDPO), so that a data-parallel version
-    (the sums below all-reduced over a process group) changes only this
-    function.
+    REINFORCE++, REINFORCE++-baseline, GDPO): mean over the valid tokens,
+    unbiased variance, eps 1e-8, variance 0 for fewer than two tokens, masked
+    positions exactly 0, over the ranks of ``group`` when given (data
+    parallel: the batch is split over its ranks; every rank must call). Two
+    input forms:
 
-    Same result as ``rlmath.masked.masked_whiten(values, valid)``: mean over
-    the valid tokens, unbiased variance, eps 1e-8, variance 0 for fewer than
-    two tokens, masked positions exactly 0. Two input forms:
-
-    - token values ``(B, T)`` (already 0 at masked positions, which every
-      estimator guarantees) and the bool mask ``valid``; one full-size
-      temporary (two unless ``inplace``, which overwrites ``values``, a
-      private buffer of the caller), where ``masked_whiten`` needs about
-      fifteen;
+    - token values ``(B, T)`` and the bool mask ``valid``;
     - ``counts=``: per-sample values ``(B,)`` that stand for ``counts[i]``
-      identical valid tokens each (outcome estimators); the statistics are the
-      same token-level ones, computed on ``B`` numbers. The caller broadcasts.
-
-    With a ``group`` (data parallel: the batch is split over its ranks) the
-    statistics are those of the batch concatenated over the ranks, from
-    :func:`rlmath.distributed.data_parallel.masked_whiten` (every rank must
-    call; ``counts`` act as per-sample weights there).
+      identical valid tokens each (outcome estimators), a frequency weight;
+      the statistics are the same token-level ones, computed on ``B`` numbers.
+      The caller broadcasts.
     """
-    if group is not None:
-        # Imported here: single-process callers never load torch.distributed code.
-        from rlmath.distributed.data_parallel import masked_whiten
-
-        weights = valid if counts is None else counts
-        assert weights is not None
-        return masked_whiten(values, weights, group=group)
-    if counts is None:
-        assert valid is not None
-        n = torch.count_nonzero(valid).to(values.dtype)
-        mean = values.sum() / n.clamp(min=1)
-        centered = values.sub_(mean) if inplace else values - mean
-        centered.masked_fill_(~valid, 0)
-        square = centered.square().sum()
-    else:
-        weight = counts.to(values.dtype)
-        n = weight.sum()
-        mean = (weight * values).sum() / n.clamp(min=1)
-        centered = values - mean
-        square = (weight * centered.square()).sum()
-    var = torch.where(n > 1, square / (n - 1).clamp(min=1), 0)
-    return centered.mul_(torch.rsqrt(var + 1e-8))
+    weights = valid if counts is None else counts.to(values.dtype)
+    assert weights is not None
+    return masked_whiten(values, weights, group=group)
 
 
 def valid_counts(valid: torch.Tensor) -> torch.Tensor:

@@ -80,5 +80,5 @@ def compute_gae_advantage_return(
     gl = g * as_unit_scalar("lam", lam)
     advantages, returns = gae_scan(rewards, values, valid, g, gl)
     if whiten:
-        advantages = whiten_batch(advantages, valid, inplace=True, group=group)
+        advantages = whiten_batch(advantages, valid, group=group)
     return advantages, returns

@@ -45,7 +45,7 @@ _DOC_ARGS = """
         response_mask: Shape ``(B, T)``, bool or 0/1.
         index: Group (prompt) id per sample (tensor, numpy array or list of
             hashable ids).
-        old_log_probs: Shape ``(B, T)``, floating; log-probability of each
+        old_log_prob: Shape ``(B, T)``, floating; log-probability of each
             sampled token under the rollout policy.
         sum_pi_squared: Shape ``(B, T)``, floating; ``Σ_v π_v²`` over the
             vocabulary at each position.
@@ -69,7 +69,7 @@ def compute_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any,
-    old_log_probs: torch.Tensor,
+    old_log_prob: torch.Tensor,
     sum_pi_squared: torch.Tensor,
     rollout_is_weights: torch.Tensor | None = None,
     handle_zero_tail: bool = True,
@@ -86,7 +86,7 @@ def compute_optimal_token_baseline_advantage(
         token_level_rewards,
         response_mask,
         index,
-        old_log_probs,
+        old_log_prob,
         sum_pi_squared,
         rollout_is_weights,
         handle_zero_tail,
@@ -102,7 +102,7 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any,
-    old_log_probs: torch.Tensor,
+    old_log_prob: torch.Tensor,
     sum_pi_squared: torch.Tensor,
     rollout_is_weights: torch.Tensor | None = None,
     handle_zero_tail: bool = True,
@@ -118,7 +118,7 @@ def compute_multi_turn_optimal_token_baseline_advantage(
         token_level_rewards,
         response_mask,
         index,
-        old_log_probs,
+        old_log_prob,
         sum_pi_squared,
         rollout_is_weights,
         handle_zero_tail,
@@ -139,7 +139,7 @@ def _optimal_token_baseline(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any,
-    old_log_probs: torch.Tensor,
+    old_log_prob: torch.Tensor,
     sum_pi_squared: torch.Tensor,
     rollout_is_weights: torch.Tensor | None,
     handle_zero_tail: bool,
@@ -151,7 +151,7 @@ def _optimal_token_baseline(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     rewards, valid, ids = x.rewards, x.valid, x.ids
-    extra = [check_token_tensor("old_log_probs", old_log_probs, token_level_rewards)]
+    extra = [check_token_tensor("old_log_prob", old_log_prob, token_level_rewards)]
     extra.append(check_token_tensor("sum_pi_squared", sum_pi_squared, token_level_rewards))
     if rollout_is_weights is not None:
         extra.append(
@@ -162,7 +162,7 @@ def _optimal_token_baseline(
     batch, length = rewards.shape
 
     returns = torch.where(valid, _reverse_scan(rewards, 1.0), 0)
-    pi = valid_values(old_log_probs, valid, dtype).exp()
+    pi = valid_values(old_log_prob, valid, dtype).exp()
     w = 1 - 2 * pi + valid_values(sum_pi_squared, valid, dtype)
     if rollout_is_weights is not None:
         w = w * valid_values(rollout_is_weights, valid, dtype).square()

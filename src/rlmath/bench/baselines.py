@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from rlmath.engine.torch_backend import cpu_matmul
-from rlmath.logprobs import log_probs_and_entropy_from_logits
+from rlmath.log_probs import log_probs_and_entropy_from_logits
 
 __all__ = [
     "OUTCOME_LOOPS",

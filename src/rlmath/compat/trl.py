@@ -47,7 +47,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     shape of ``index``, fp32 (fp64 for fp64 logits) whatever the logits'
     dtype; differentiable w.r.t. ``logits``.
     """
-    return rlmath.log_probs_from_logits(logits, index)
+    return rlmath.log_probs_from_logits(logits, index, ignore_index=None)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:

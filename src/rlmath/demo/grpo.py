@@ -50,7 +50,9 @@ class GRPOTrainer(Trainer):
         loss, metrics = super().actor_loss(mb, out_log_prob, entropy, info)
         assert mb.ref_log_prob is not None
         kl = rlmath.kl_penalty(out_log_prob, mb.ref_log_prob, "low_var_kl")
-        kl_loss = rlmath.agg_loss(kl, mb.response_mask, self.cfg.loss_agg_mode, **info)
+        kl_loss = rlmath.agg_loss(
+            kl, mb.response_mask, loss_agg_mode=self.cfg.loss_agg_mode, **info
+        )
         metrics["kl_loss"] = kl_loss.detach()
         return loss + self.cfg.kl_coef * kl_loss, metrics
 

@@ -74,7 +74,7 @@ class PPOTrainer(Trainer):
                 assert vpreds.values is not None and mb.returns is not None
                 assert mb.values is not None
                 info = rlmath.global_batch_info(mb.response_mask, group=self.stats_group)
-                vf_loss, vf_clipfrac = rlmath.compute_value_loss(
+                vf_loss, vf_metrics = rlmath.compute_value_loss(
                     vpreds.values,
                     mb.returns,
                     mb.values,
@@ -84,7 +84,7 @@ class PPOTrainer(Trainer):
                     **info,
                 )
                 reduced = self.reduce_update_metrics(
-                    {"loss": vf_loss, "vf_clipfrac": vf_clipfrac}, mb.response_mask
+                    {"loss": vf_loss, **vf_metrics}, mb.response_mask
                 )
                 check_finite("value_loss", reduced["loss"])
                 self.critic_optimizer.zero_grad(set_to_none=True)

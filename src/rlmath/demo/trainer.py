@@ -29,7 +29,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import rlmath
-import rlmath.distributed as rd
 from rlmath.demo.batch import ResponseModel, Rollout, response_forward
 from rlmath.demo.config import DemoConfig
 from rlmath.demo.metrics import check_finite
@@ -164,7 +163,7 @@ class Trainer(ABC):
 
     def mean(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Masked mean of ``x`` over the valid tokens of the whole (global) batch."""
-        return rd.masked_mean(x, mask, group=self.stats_group)
+        return rlmath.masked_mean(x, mask, group=self.stats_group)
 
     def minibatches(self, batch: Rollout) -> list[Rollout]:
         """This rank's part of each global mini-batch (see :func:`local_minibatches`).
@@ -258,7 +257,9 @@ class Trainer(ABC):
             clip_ratio_high=cfg.clip_ratio_high,
             **info,
         )
-        entropy_loss = rlmath.agg_loss(entropy, mb.response_mask, cfg.loss_agg_mode, **info)
+        entropy_loss = rlmath.agg_loss(
+            entropy, mb.response_mask, loss_agg_mode=cfg.loss_agg_mode, **info
+        )
         loss = pg_loss - cfg.entropy_coef * entropy_loss
         return loss, {"pg_loss": pg_loss.detach(), **pg_metrics}
 

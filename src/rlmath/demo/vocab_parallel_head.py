@@ -2,9 +2,9 @@
 
 Each rank of a tensor-parallel group holds rows ``[start, start + V/K)`` of
 the head's weight. Training never forms logits: the per-token log-probs and
-entropies come from ``rlmath.distributed.vocab_parallel_log_probs_and_entropy_from_hidden``,
-which reduces over the group and returns the full gradient of the hidden
-states on every rank. Sampling needs whole distributions, so ``forward``
+entropies come from ``rlmath.log_probs_and_entropy_from_hidden`` with
+``vocab_parallel=rlmath.VocabParallel(group=...)``, which reduces over the
+group and returns the full gradient of the hidden states on every rank. Sampling needs whole distributions, so ``forward``
 gathers the logit slices of the (few) positions it is given.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import rlmath.distributed as rd
+import rlmath
 from rlmath.demo.parallel import Layout
 
 __all__ = ["VocabParallelLMHead"]
@@ -58,14 +58,13 @@ class VocabParallelLMHead(nn.Module):
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of ``labels`` ``[N]`` (``-100``: none, gives 0) and entropies, ``[N]`` each."""
-        return rd.vocab_parallel_log_probs_and_entropy_from_hidden(
+        return rlmath.log_probs_and_entropy_from_hidden(
             hidden,
             self.weight,
             labels,
             temperature=temperature,
             ignore_index=-100,
-            vocab_start_index=self.vocab_start,
             vocab_size=self.vocab_size,
+            vocab_parallel=rlmath.VocabParallel(group=self.layout.tp_group, start=self.vocab_start),
             return_entropy=with_entropy,
-            group=self.layout.tp_group,
         )

@@ -3,7 +3,7 @@
 Log-probs, entropy, the exact KL, ``Σ π²`` and the fused LM head exist here
 once each, for a single process and for a vocabulary split over a process
 group alike (a world of one is the single-process case). The public faces
-(:mod:`rlmath.logprobs`, :mod:`rlmath.fused_head`, the vocabulary-parallel
+(:mod:`rlmath.log_probs`, :mod:`rlmath.fused_head`, the vocabulary-parallel
 functions of :mod:`rlmath.distributed`) validate their arguments and call
 :mod:`rlmath.engine.api`. Below it, in layers:
 

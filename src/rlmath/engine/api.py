@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,9 +32,10 @@ from rlmath._validation import (
 from rlmath.engine import dtensor as dt
 from rlmath.engine import ops
 from rlmath.engine.backends import resolve_backend
-from rlmath.engine.config import OpConfig, VocabShard
+from rlmath.engine.config import OpConfig, VocabParallel, VocabShard
 from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
 from rlmath.engine.groups import ProcessGroup, group_name, group_rank
+from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
 
 __all__ = [
@@ -45,53 +47,111 @@ __all__ = [
     "packed_response_log_probs",
     "packed_rows_from_indices",
     "packed_rows_from_mask",
+    "positive_float",
+    "resolve_shard",
     "sum_pi_squared",
-    "vocab_shard",
 ]
 
 Temp = float | torch.Tensor
 
 
-def vocab_shard(
-    width: int,
-    *,
-    vocab_start_index: object,
-    vocab_size: object,
-    ignore_index: int | None,
-    group: ProcessGroup | None,
-) -> VocabShard:
-    """The :class:`VocabShard` of this rank from the vocabulary-parallel keyword arguments.
-
-    ``vocab_start_index`` defaults to ``rank · width`` (equal shards in rank
-    order); ``vocab_size`` (the real tokens of the whole vocabulary) marks the
-    local columns past it as padding. Shape-only checks.
-    """
-    start = check_optional_int("vocab_start_index", vocab_start_index)
+def _vocab_size(vocab_size: object) -> int | None:
     total = check_optional_int("vocab_size", vocab_size)
-    if start is not None and start < 0:
-        raise ValueError(f"vocab_start_index must be >= 0, got {start}")
     if total is not None and total < 1:
         raise ValueError(f"vocab_size must be >= 1, got {total}")
-    if ignore_index is not None and ignore_index >= 0 and (total is None or ignore_index < total):
-        raise ValueError(
-            "ignore_index must not be a token id (negative, or >= vocab_size when "
-            f"vocab_size is given), got {ignore_index}"
+    return total
+
+
+def resolve_shard(
+    width: int,
+    *,
+    vocab_size: object,
+    vocab_parallel: object,
+    name: str = "logits",
+    dtensor_shard: VocabShard | None = None,
+) -> VocabShard | None:
+    """The :class:`VocabShard` of this call: which global columns the ``width`` local ones are.
+
+    ``vocab_size`` is the number of real tokens of the whole vocabulary: the
+    columns from it on are padding, left out of the softmax. Without
+    ``vocab_parallel`` the input holds the whole vocabulary (``None`` when it is
+    all real). ``dtensor_shard``: the shard a DTensor's placements give.
+    Shape-only checks; the shards' tiling of ``[0, V)`` is checked by the
+    engine's first collective.
+    """
+    total = _vocab_size(vocab_size)
+    if vocab_parallel is None:
+        if dtensor_shard is not None:
+            if total is None:
+                return dtensor_shard
+            first = dtensor_shard.start
+            return replace(dtensor_shard, real=max(0, min(width, total - first)))
+        if total is None or total == width:
+            return None
+        if total > width:
+            raise ValueError(
+                f"vocab_size={total} is more than the {width} columns of {name}: it is the "
+                "number of real tokens of the whole vocabulary (the columns from it on are "
+                "padding). For a vocabulary split over processes pass "
+                "vocab_parallel=rlmath.VocabParallel(group=...)."
+            )
+        return VocabShard(start=0, real=total)
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(
+            "vocab_parallel must be an rlmath.VocabParallel or None, got "
+            f"{type(vocab_parallel).__name__}"
         )
-    name = group_name(group)
-    if not name and ((start or 0) != 0 or (total is not None and total > width)):
+    if dtensor_shard is not None:
+        raise TypeError(
+            f"{name} is a DTensor, whose placements say how the vocabulary is split: "
+            "vocab_parallel is for plain tensors holding each rank's shard"
+        )
+    start = check_optional_int("vocab_parallel.start", vocab_parallel.start)
+    if start is not None and start < 0:
+        raise ValueError(f"vocab_parallel.start must be >= 0, got {start}")
+    if not isinstance(vocab_parallel.reduce_grad_hidden, bool):
+        raise TypeError(
+            "vocab_parallel.reduce_grad_hidden must be a bool, got "
+            f"{type(vocab_parallel.reduce_grad_hidden).__name__}"
+        )
+    group = vocab_parallel.group
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"vocab_parallel.group must be a torch.distributed ProcessGroup or None, got "
+            f"{type(group).__name__}"
+        )
+    group_id = group_name(group)
+    if not group_id and ((start or 0) != 0 or (total is not None and total > width)):
         # A world of one holds the whole vocabulary: a shard of a larger one would be
         # normalized over its own columns only.
         raise ValueError(
-            f"vocab_start_index={start} and vocab_size={total} describe a shard of a larger "
-            f"vocabulary, but no other process holds the rest: torch.distributed is not "
-            "initialized or the group has one rank, so these logits must be the whole "
-            f"vocabulary (vocab_start_index 0 and vocab_size <= {width}, their width). "
-            "Initialize the process group first, or pass the group that holds the shards."
+            f"vocab_parallel.start={start} and vocab_size={total} describe a shard of a "
+            "larger vocabulary, but no other process holds the rest: torch.distributed is "
+            f"not initialized or the group has one rank, so {name} must be the whole "
+            f"vocabulary (start 0 and vocab_size <= {width}, its width). Initialize the "
+            "process group first, or pass the group that holds the shards."
         )
     if start is None:
         start = group_rank(group) * width
     real = width if total is None else max(0, min(width, total - start))
-    return VocabShard(start=start, real=real, group=name)
+    return VocabShard(start=start, real=real, group=group_id)
+
+
+def _validate_shard(
+    shard: VocabShard | None,
+    width: int,
+    rows: int,
+    labels: torch.Tensor | None,
+    ignore_index: int | None,
+    device: torch.device,
+    name: str,
+) -> None:
+    """``validate=True``: labels in the vocabulary (one process) or the cross-rank check."""
+    if shard is not None and shard.group:
+        validate_layout(shard, width, rows, labels, ignore_index, device)
+    elif labels is not None:
+        check_label_values("labels", labels, shard.real_columns(width) if shard else width,
+                           ignore_index)  # fmt: skip
 
 
 def _config(
@@ -104,6 +164,15 @@ def _config(
     return OpConfig(
         backend=name, shard_start=shard.start, shard_real=shard.real, group=shard.group, **fields
     )
+
+
+def _no_vocab_parallel(vocab_parallel: object, name: str) -> None:
+    if vocab_parallel is not None:
+        raise TypeError(
+            f"{name} is a DTensor, whose placements say how the vocabulary is split (Shard(-1) "
+            "of the logits or Shard(0) of the head's weight runs vocabulary-parallel): "
+            "vocab_parallel is for plain tensors holding each rank's shard"
+        )
 
 
 def _trailing(ndim_t: int, ndim_batch: int) -> tuple[int, ...]:
@@ -124,29 +193,37 @@ def log_probs_entropy(
     chunk_size: object,
     backend: object,
     validate: bool,
-    shard: VocabShard | None = None,
+    vocab_size: object = None,
+    vocab_parallel: object = None,
     logits_name: str = "logits",
+    dtensor_shard: VocabShard | None = None,
 ) -> tuple[Any, Any]:
     """Label log-probs (``labels.shape``) and/or entropy (``logits.shape[:-1]``) of ``logits / T``.
 
     ``labels`` is ``logits.shape[:-1]`` or ``logits.shape[:-1] + (K,)`` integer
-    token ids (``None``: entropy only). With ``shard``, ``logits`` holds that
-    shard's columns and the result is over the whole vocabulary of its group.
+    token ids (``None``: entropy only). With ``vocab_parallel``, ``logits``
+    holds this rank's columns and the result is over the whole vocabulary of
+    its group (:func:`resolve_shard`).
     """
     if dt.any_dtensor(logits, labels, temperature):
         return _log_probs_entropy_dtensor(
             logits, labels, temperature=temperature, want_entropy=want_entropy,
             ignore_index=ignore_index, chunk_size=chunk_size, backend=backend,
-            validate=validate, shard=shard, logits_name=logits_name,
+            validate=validate, vocab_size=vocab_size, vocab_parallel=vocab_parallel,
+            logits_name=logits_name,
         )  # fmt: skip
     x = check_logits(logits_name, logits)
     batch = tuple(x.shape[:-1])
     ig = check_optional_int("ignore_index", ignore_index)
+    shard = resolve_shard(
+        x.shape[-1], vocab_size=vocab_size, vocab_parallel=vocab_parallel, name=logits_name,
+        dtensor_shard=dtensor_shard,
+    )  # fmt: skip
     lab2d = out_shape = None
     if labels is not None:
         lab2d, out_shape = check_labels("labels", labels, batch, x.device, device_of=logits_name)
-        if validate and shard is None:
-            check_label_values("labels", lab2d, x.shape[-1], ig)
+    if validate:
+        _validate_shard(shard, x.shape[-1], math.prod(batch), lab2d, ig, x.device, logits_name)
     temp, scalar = check_temperature(
         temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
         device_of=logits_name,
@@ -164,7 +241,7 @@ def log_probs_entropy(
 
 
 def _log_probs_entropy_dtensor(
-    logits: Any, labels: Any, *, temperature: Any, shard: VocabShard | None, logits_name: str,
+    logits: Any, labels: Any, *, temperature: Any, vocab_parallel: object, logits_name: str,
     **kwargs: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     if not dt.is_dtensor(logits):
@@ -172,12 +249,7 @@ def _log_probs_entropy_dtensor(
             f"labels or temperature is a DTensor but {logits_name} is not: pass DTensors "
             f"together, with {logits_name} a DTensor"
         )
-    if shard is not None:
-        raise TypeError(
-            f"{logits_name} is a DTensor: call the single-process function, which runs "
-            "vocabulary-parallel for Shard(-1) logits (the vocab_parallel_* functions take "
-            "each rank's local shard as a plain tensor)"
-        )
+    _no_vocab_parallel(vocab_parallel, logits_name)
     nb = logits.dim() - 1
     batch_dims = tuple(range(nb))
     lay = dt.layout_of(logits, logits_name, vocab_dim=nb, batch_dims=batch_dims)
@@ -189,7 +261,7 @@ def _log_probs_entropy_dtensor(
             temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb)
         )
     logp, ent = log_probs_entropy(
-        logits.to_local(), local_labels, temperature=local_temp, shard=lay.shard,
+        logits.to_local(), local_labels, temperature=local_temp, dtensor_shard=lay.shard,
         logits_name=logits_name, **kwargs,
     )  # fmt: skip
     batch = tuple(logits.shape[:-1])
@@ -207,16 +279,16 @@ def kl(
     chunk_size: object,
     backend: object,
     validate: bool,
-    shard: VocabShard | None = None,
+    vocab_size: object = None,
+    vocab_parallel: object = None,
     names: tuple[str, str] = ("logits", "ref_logits"),
+    dtensor_shard: VocabShard | None = None,
 ) -> Any:
     """Exact ``KL(softmax(logits/T) ‖ softmax(ref_logits/T))`` per row, ``logits.shape[:-1]``."""
     if dt.any_dtensor(logits, ref_logits, temperature):
-        if not dt.is_dtensor(logits) or shard is not None:
-            raise TypeError(
-                f"a DTensor call of the KL needs {names[0]} to be a DTensor, on the "
-                "single-process function"
-            )
+        if not dt.is_dtensor(logits):
+            raise TypeError(f"a DTensor call of the KL needs {names[0]} to be a DTensor")
+        _no_vocab_parallel(vocab_parallel, names[0])
         nb = logits.dim() - 1
         batch_dims = tuple(range(nb))
         lay = dt.layout_of(logits, names[0], vocab_dim=nb, batch_dims=batch_dims)
@@ -240,7 +312,7 @@ def kl(
             )
         out = kl(
             logits.to_local(), ref, temperature=temp, chunk_size=chunk_size, backend=backend,
-            validate=validate, shard=lay.shard, names=names,
+            validate=validate, vocab_size=vocab_size, names=names, dtensor_shard=lay.shard,
         )  # fmt: skip
         return dt.wrap(out, lay, tuple(logits.shape[:-1]), batch_dims)
     x = check_logits(names[0], logits)
@@ -249,6 +321,12 @@ def kl(
     if r.device != x.device:
         raise ValueError(f"{names[1]} is on {r.device} but {names[0]} is on {x.device}")
     batch = tuple(x.shape[:-1])
+    shard = resolve_shard(
+        x.shape[-1], vocab_size=vocab_size, vocab_parallel=vocab_parallel, name=names[0],
+        dtensor_shard=dtensor_shard,
+    )  # fmt: skip
+    if validate:
+        _validate_shard(shard, x.shape[-1], math.prod(batch), None, None, x.device, names[0])
     temp_t, scalar = check_temperature(
         temperature, batch, x.device, validate=validate, shape_name=f"{names[0]}.shape[:-1]",
         device_of=names[0],
@@ -269,14 +347,23 @@ def sum_pi_squared(
     chunk_size: object,
     backend: object,
     validate: bool,
-    shard: VocabShard | None = None,
+    vocab_size: object = None,
+    vocab_parallel: object = None,
     logits_name: str = "logits",
 ) -> torch.Tensor:
     """``Σ_v π_v²`` of ``π = softmax(logits / T)`` per row, ``logits.shape[:-1]``; no gradient."""
     x = check_logits(logits_name, logits)
     if dt.is_dtensor(x):
-        raise TypeError(f"{logits_name}: DTensor inputs are not supported here; pass to_local()")
+        raise TypeError(
+            f"{logits_name}: DTensor inputs are not supported here; pass to_local() with "
+            "vocab_parallel=VocabParallel(group=...) for Shard(-1) logits"
+        )
     batch = tuple(x.shape[:-1])
+    shard = resolve_shard(
+        x.shape[-1], vocab_size=vocab_size, vocab_parallel=vocab_parallel, name=logits_name
+    )
+    if validate:
+        _validate_shard(shard, x.shape[-1], math.prod(batch), None, None, x.device, logits_name)
     temp, scalar = check_temperature(
         temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
         device_of=logits_name,
@@ -313,6 +400,9 @@ def dense_response_log_probs(
     temperature: Temp,
     chunk_size: object,
     backend: object,
+    validate: bool = False,
+    vocab_size: object = None,
+    vocab_parallel: object = None,
 ) -> torch.Tensor:
     """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``."""
     ids = check_index_tensor("input_ids", input_ids)
@@ -326,14 +416,17 @@ def dense_response_log_probs(
         )
     B, S = ids.shape
     R = check_response_length(response_length, S, allow_full=False)
+    shard = resolve_shard(x.shape[-1], vocab_size=vocab_size, vocab_parallel=vocab_parallel)
+    labels = ids[:, -R:].reshape(-1, 1).long()
+    if validate:
+        _validate_shard(shard, x.shape[-1], B * R, labels, None, x.device, "logits")
     temp, scalar = check_temperature(
-        temperature, (B, S), x.device, validate=False, shape_name="input_ids.shape"
+        temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape"
     )
     cfg = _config(
         backend, x, temperature=scalar, narrow=(1, S - R - 1, R),
-        chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        chunk_size=check_positive_int_or_none("chunk_size", chunk_size), shard=shard,
     )  # fmt: skip
-    labels = ids[:, -R:].reshape(-1, 1).long()
     # The operator reads the response rows of the full logits in place: slicing them
     # here would make autograd allocate a second full-size gradient in backward.
     logp, _, _ = LogProbsEntropyFunction.apply(x, labels, temp, None, cfg)
@@ -350,7 +443,8 @@ def packed_response_log_probs(
     chunk_size: object,
     backend: object,
     validate: bool,
-    shard: VocabShard | None = None,
+    vocab_size: object = None,
+    vocab_parallel: object = None,
 ) -> torch.Tensor:
     """``(B, R)`` response log-probs from packed logits, shifting within each sequence.
 
@@ -363,13 +457,19 @@ def packed_response_log_probs(
     B, S = ids.shape
     x = logits_rmpad
     nnz = x.shape[0]
+    shard = resolve_shard(
+        x.shape[-1], vocab_size=vocab_size, vocab_parallel=vocab_parallel, name="logits_rmpad"
+    )
+    plan = response_rows(ids, row_of, response_length)
     if validate:
         n_valid = int((row_of >= 0).sum())
         if n_valid != nnz:
             raise ValueError(
                 f"logits_rmpad must have one row per valid token ({n_valid}), got {nnz}"
             )
-    plan = response_rows(ids, row_of, response_length)
+        used = plan.labels[plan.labels != NO_LABEL].reshape(-1, 1)
+        _validate_shard(shard, x.shape[-1], B * response_length, used, None, x.device,
+                        "logits_rmpad")  # fmt: skip
     # A mask that does not match the packed rows cannot be told on the host without a
     # sync: the rows are clamped into range and every result becomes NaN instead.
     mismatch = row_of.amax() + 1 != nnz if row_of.numel() else None
@@ -463,7 +563,7 @@ def _head_dtype(
     return h.to(dtype), w.to(dtype), b.to(dtype) if b is not None else None
 
 
-def _positive(name: str, value: object) -> float:
+def positive_float(name: str, value: object) -> float:
     """A finite float > 0 (Python or numpy)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
@@ -489,46 +589,44 @@ def fused_head(
     logit_scale: object = 1.0,
     softcap: object = None,
     vocab_size: object = None,
-    allow_k: bool = False,
-    shard: VocabShard | None = None,
-    reduce_grad_hidden: bool = True,
+    vocab_parallel: object = None,
     names: tuple[str, str, str] = ("hidden", "weight", "bias"),
+    dtensor_shard: VocabShard | None = None,
+    reduce_grad_hidden: bool = True,
 ) -> tuple[Any, Any]:
     """Label log-probs (``labels.shape``) and entropy (``hidden.shape[:-1]``) of the LM head.
 
     The logits are ``softcap·tanh(logit_scale·(hidden @ weight.T + bias) / softcap)``;
-    ``vocab_size`` (one process only) keeps the first rows of ``weight`` as the
-    vocabulary and leaves the others (padding) out of the softmax.
+    ``vocab_size`` keeps the rows of ``weight`` below it as the vocabulary and
+    leaves the others (padding) out of the softmax; with ``vocab_parallel``
+    ``weight`` holds this rank's rows (:func:`resolve_shard`).
     """
     if dt.any_dtensor(hidden, weight, bias, labels, temperature):
+        _no_vocab_parallel(vocab_parallel, names[1])
         return _fused_head_dtensor(
             hidden, weight, labels, bias=bias, temperature=temperature,
             want_entropy=want_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate,
-            logit_scale=logit_scale, softcap=softcap, vocab_size=vocab_size,
-            allow_k=allow_k, shard=shard, reduce_grad_hidden=reduce_grad_hidden, names=names,
+            logit_scale=logit_scale, softcap=softcap, vocab_size=vocab_size, names=names,
         )  # fmt: skip
-    h, w, b = _check_head(hidden, weight, bias, names, 1 if shard is None else 0)
-    scale = _positive("logit_scale", logit_scale)
-    cap = 0.0 if softcap is None else _positive("softcap", softcap)
+    sharded = vocab_parallel is not None or dtensor_shard is not None
+    h, w, b = _check_head(hidden, weight, bias, names, 0 if sharded else 1)
+    scale = positive_float("logit_scale", logit_scale)
+    cap = 0.0 if softcap is None else positive_float("softcap", softcap)
     batch = tuple(h.shape[:-1])
     ig = check_optional_int("ignore_index", ignore_index)
     lab2d, out_shape = check_labels(
-        "labels", labels, batch, h.device, allow_k=allow_k, device_of=names[0],
+        "labels", labels, batch, h.device, device_of=names[0],
         batch_name=f"{names[0]}.shape[:-1]",
     )  # fmt: skip
-    if vocab_size is not None:
-        if shard is not None:
-            raise ValueError("vocab_size here is for one process; shards take their own")
-        real = check_optional_int("vocab_size", vocab_size)
-        assert real is not None
-        if not 1 <= real <= w.shape[0]:
-            raise ValueError(
-                f"vocab_size must be in [1, {w.shape[0]}] (the rows of {names[1]}), got {real}"
-            )
-        shard = VocabShard(start=0, real=real)
-    if validate and (shard is None or vocab_size is not None):
-        check_label_values("labels", lab2d, shard.real if shard else w.shape[0], ig)
+    shard = resolve_shard(
+        w.shape[0], vocab_size=vocab_size, vocab_parallel=vocab_parallel, name=names[1],
+        dtensor_shard=dtensor_shard,
+    )  # fmt: skip
+    if isinstance(vocab_parallel, VocabParallel):
+        reduce_grad_hidden = vocab_parallel.reduce_grad_hidden
+    if validate:
+        _validate_shard(shard, w.shape[0], math.prod(batch), lab2d, ig, h.device, names[1])
     temp, scalar = check_temperature(
         temperature, batch, h.device, validate=validate, shape_name=f"{names[0]}.shape[:-1]",
         device_of=names[0],
@@ -547,14 +645,9 @@ def fused_head(
 
 def _fused_head_dtensor(
     hidden: Any, weight: Any, labels: Any, *, bias: Any, temperature: Any,
-    shard: VocabShard | None, names: tuple[str, str, str], **kwargs: Any,
+    names: tuple[str, str, str], **kwargs: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     hn, wn, bn = names
-    if shard is not None:
-        raise TypeError(
-            "the vocab_parallel_* functions take each rank's local shard as a plain tensor; "
-            "for DTensors call log_probs_and_entropy_from_hidden"
-        )
     if not dt.is_dtensor(hidden):
         raise TypeError(
             f"{wn} is a DTensor but {hn} is a plain tensor. If the head belongs to a model "
@@ -595,7 +688,7 @@ def _fused_head_dtensor(
         temp = dt.localize(temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb))
     logp, ent = fused_head(
         hidden.to_local(), w_local, local_labels, bias=b_local, temperature=temp,
-        shard=wshard, names=names, **kwargs,
+        dtensor_shard=wshard, names=names, **kwargs,
     )  # fmt: skip
     out_lay = dt.Layout(lay.mesh, lay.shard_dims, None, None)
     return (

@@ -8,8 +8,40 @@ the same fields flattened (:meth:`OpConfig.op_args`), in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SINGLE_PROCESS", "OpConfig", "VocabShard"]
+__all__ = ["SINGLE_PROCESS", "OpConfig", "VocabParallel", "VocabShard"]
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """How a vocabulary function's input holds one shard of a vocabulary split over processes.
+
+    Pass it as ``vocab_parallel=`` to any vocabulary function: each rank of
+    ``group`` passes its own columns of the logits (or rows of the LM-head
+    weight) for the same tokens, and every rank gets the result over the whole
+    vocabulary, as one process would on the concatenated columns
+    (Megatron-style tensor parallelism of the vocabulary). ``None`` (the
+    default of every function): the input holds the whole vocabulary.
+
+    Attributes:
+        group: the process group over which the vocabulary is split
+            (``None``: the world group). Without an initialized
+            ``torch.distributed`` (or in a group of one rank) the input must
+            hold the whole vocabulary.
+        start: the global token id of this rank's first column (``None``: rank
+            ``k`` starts at ``k · width``, equal shards in rank order as
+            Megatron lays them out; needed for shards of unequal width).
+        reduce_grad_hidden: fused head only: all-reduce the gradient of
+            ``hidden`` over ``group`` so that every rank holds the full gradient
+            (the default). ``False`` leaves each rank its own part
+            ``g_k @ W_k``, for a caller whose graph sums over the group in
+            backward already (Megatron's sequence parallelism).
+    """
+
+    group: Any = None
+    start: int | None = None
+    reduce_grad_hidden: bool = True
 
 
 @dataclass(frozen=True)

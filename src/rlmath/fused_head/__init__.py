@@ -6,14 +6,7 @@ block by :mod:`rlmath.engine` and recomputed in backward,
 so the ``(N, V)`` logits and their gradient never exist. See ``docs/fused_head.md``.
 """
 
-from rlmath.fused_head.from_hidden import (
-    linear_logprobs_entropy,
-    log_probs_and_entropy_from_hidden,
-)
+from rlmath.fused_head.from_hidden import log_probs_and_entropy_from_hidden
 from rlmath.fused_head.module import FusedLMHeadLogProbs
 
-__all__ = [
-    "FusedLMHeadLogProbs",
-    "linear_logprobs_entropy",
-    "log_probs_and_entropy_from_hidden",
-]
+__all__ = ["FusedLMHeadLogProbs", "log_probs_and_entropy_from_hidden"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine import api
+from rlmath.engine.config import VocabParallel
 
-__all__ = ["linear_logprobs_entropy", "log_probs_and_entropy_from_hidden"]
+__all__ = ["log_probs_and_entropy_from_hidden"]
 
 
 def log_probs_and_entropy_from_hidden(
@@ -18,11 +19,12 @@ def log_probs_and_entropy_from_hidden(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = True,
     ignore_index: int | None = -100,
-    chunk_size: int | None = None,
-    vocab_chunk_size: int | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
     vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -54,19 +56,38 @@ def log_probs_and_entropy_from_hidden(
             is no shift inside. A DTensor runs on each rank's rows (see
             ``docs/fused_head.md``; with a ``Shard(0)`` DTensor ``weight`` the
             head is vocabulary-parallel over that mesh dimension).
-        weight: ``(V, H)`` LM-head (or tied embedding) weight, any floating dtype.
-        labels: ``(...)`` = ``hidden.shape[:-1]`` integer tensor, values in
-            ``[0, V)`` or ``ignore_index``.
+        weight: ``(V, H)`` LM-head (or tied embedding) weight, any floating dtype;
+            with ``vocab_parallel``, this rank's ``(V/tp, H)`` rows.
+        labels: ``(...)`` = ``hidden.shape[:-1]`` integer tensor, or
+            ``hidden.shape[:-1] + (K,)`` for K candidate labels per row; values in
+            ``[0, V)`` or ``ignore_index`` (global token ids with ``vocab_parallel``).
         bias: ``(V,)`` bias of the head, or ``None``.
         temperature: float > 0, or a tensor broadcastable to ``hidden.shape[:-1]``
             (e.g. one per sequence); the logits are divided by it in fp32. A tensor
             temperature receives no gradient.
         return_entropy: also compute the entropy of each row (otherwise one
             pass per block fewer, and ``None`` is returned in its place).
-        ignore_index: label value marking positions to skip: they get log-prob
-            and entropy 0 and contribute no gradient (their hidden states and
-            temperature are not read by the math, so NaN or 0 there is
-            harmless). ``None``: every label is a token id.
+        ignore_index: label value marking positions to skip (-100, as in HF):
+            they get log-prob and entropy 0 and contribute no gradient (their
+            hidden states and temperature are not read by the math, so NaN or 0
+            there is harmless). A row with K labels stays live while one of them
+            is not ignored. ``None``: no label is skipped.
+        logit_scale: the head's logits are multiplied by it before the softmax
+            (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``). A float > 0.
+        softcap: ``c > 0`` caps the (scaled) logits to ``c·tanh(z / c)`` (Gemma 2/3's
+            ``final_logit_softcapping``), in fp32, forward and backward; ``None``: no cap.
+            The temperature divides the capped logits.
+        vocab_size: the number of real tokens of the whole vocabulary: rows of
+            the weight from ``vocab_size`` on (a vocabulary padded beyond the
+            tokenizer) are left out of the softmax, as if their logits were
+            ``-inf``, and get a zero gradient. ``None``: every row is a token.
+        vocab_parallel: ``weight`` (and ``bias``) hold this rank's rows of a head
+            split over the vocabulary across a process group
+            (:class:`~rlmath.VocabParallel`): every rank gets the results over the
+            whole vocabulary; ``hidden`` (the same on every rank) receives the
+            whole gradient, all-reduced over the group (unless
+            ``vocab_parallel.reduce_grad_hidden`` is false), the weight and bias
+            this rank's rows of it. ``None``: the whole head is here.
         chunk_size: tokens per block; ``None`` picks 2048 on a CPU and 4096 on an
             accelerator (fewer for short inputs). On a CPU each worker thread
             works on pieces of at most 512 of them at a time.
@@ -74,15 +95,6 @@ def log_probs_and_entropy_from_hidden(
             8M entries on a CPU, 32M on an accelerator (at most 1/64 or 1/48 of
             the logits). Both change speed and memory only
             (:mod:`rlmath.engine.policy`), results agree to rounding.
-        logit_scale: the head's logits are multiplied by it before the softmax
-            (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``). A float > 0.
-        softcap: ``c > 0`` caps the (scaled) logits to ``c·tanh(z / c)`` (Gemma 2/3's
-            ``final_logit_softcapping``), in fp32, forward and backward; ``None``: no cap.
-            The temperature divides the capped logits.
-        vocab_size: the number of real tokens: rows of ``weight`` from
-            ``vocab_size`` on (a vocabulary padded beyond the tokenizer) are left
-            out of the softmax, as if their logits were ``-inf``, and get a zero
-            gradient. ``None``: every row is a token.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check that every label lies in ``[0, V)`` or equals
             ``ignore_index`` (and that a tensor temperature is positive) with a
@@ -91,9 +103,10 @@ def log_probs_and_entropy_from_hidden(
             gives a NaN log-prob (and a NaN gradient where the loss uses it).
 
     Returns:
-        ``(log_probs, entropy)``, both of shape ``labels.shape``, fp32 (fp64 for
-        fp64 inputs); ``log_probs <= 0`` and ``0 <= entropy <= log V``. ``entropy``
-        is ``None`` when ``return_entropy`` is false.
+        ``(log_probs, entropy)`` of shapes ``labels.shape`` and
+        ``hidden.shape[:-1]``, fp32 (fp64 for fp64 inputs); ``log_probs <= 0`` and
+        ``0 <= entropy <= log V``. ``entropy`` is ``None`` when ``return_entropy``
+        is false.
 
     Raises:
         TypeError: a non-tensor, non-floating ``hidden``/``weight``/``bias``,
@@ -104,9 +117,6 @@ def log_probs_and_entropy_from_hidden(
         hidden, weight, labels, bias=bias, temperature=temperature,
         want_entropy=bool(return_entropy), ignore_index=ignore_index, chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size, logit_scale=logit_scale, softcap=softcap,
-        vocab_size=vocab_size, backend=backend, validate=validate,
+        vocab_size=vocab_size, vocab_parallel=vocab_parallel, backend=backend,
+        validate=validate,
     )  # fmt: skip
-
-
-linear_logprobs_entropy = log_probs_and_entropy_from_hidden
-"""Another name of :func:`log_probs_and_entropy_from_hidden` (same function)."""

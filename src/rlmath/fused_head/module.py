@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from rlmath._validation import check_optional_int, check_positive_int_or_none, check_temperature
+from rlmath.engine import api
 from rlmath.engine.backends import resolve_backend
+from rlmath.engine.config import VocabParallel
 from rlmath.fused_head.from_hidden import log_probs_and_entropy_from_hidden
 from rlmath.fused_head.through_module import swapped_forward
 
@@ -35,10 +37,13 @@ class FusedLMHeadLogProbs(nn.Module):
     ``torch.compile`` the computation is traced directly, without the swap.
 
     Args:
-        head: the ``nn.Linear(H, V)`` LM head.
+        head: the ``nn.Linear(H, V)`` LM head (with ``vocab_parallel``, this rank's
+            ``nn.Linear(H, V/tp)`` rows of it).
         temperature: default temperature (float > 0) for :meth:`forward`.
         ignore_index: label value of positions to skip (log-prob and entropy 0).
-        chunk_size: tokens per block, ``None`` for automatic.
+        logit_scale, softcap, vocab_size, vocab_parallel, chunk_size,
+            vocab_chunk_size: as in
+            :func:`~rlmath.fused_head.log_probs_and_entropy_from_hidden`.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check in each call that every label is a token id or
             ``ignore_index`` (a ``ValueError`` naming ``labels``; reads the labels, a
@@ -51,7 +56,12 @@ class FusedLMHeadLogProbs(nn.Module):
         *,
         temperature: float = 1.0,
         ignore_index: int | None = -100,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        vocab_size: int | None = None,
+        vocab_parallel: VocabParallel | None = None,
         chunk_size: int | None = None,
+        vocab_chunk_size: int | None = None,
         backend: str = "auto",
         validate: bool = False,
     ):
@@ -62,7 +72,17 @@ class FusedLMHeadLogProbs(nn.Module):
         self._head = (head,)  # a tuple keeps nn.Module from registering it
         self.temperature = value
         self.ignore_index = check_optional_int("ignore_index", ignore_index)
+        self.logit_scale = api.positive_float("logit_scale", logit_scale)
+        self.softcap = None if softcap is None else api.positive_float("softcap", softcap)
+        # Shape-only: the same checks as a call, once here.
+        api.resolve_shard(
+            head.out_features, vocab_size=vocab_size, vocab_parallel=vocab_parallel,
+            name="head.weight",
+        )  # fmt: skip
+        self.vocab_size = vocab_size
+        self.vocab_parallel = vocab_parallel
         self.chunk_size = check_positive_int_or_none("chunk_size", chunk_size)
+        self.vocab_chunk_size = check_positive_int_or_none("vocab_chunk_size", vocab_chunk_size)
         resolve_backend(backend, head.weight)
         self.backend = backend
         if not isinstance(validate, bool):
@@ -86,20 +106,27 @@ class FusedLMHeadLogProbs(nn.Module):
 
         Args:
             hidden: ``(..., H)`` hidden states, the head's dtype.
-            labels: ``(...)`` = ``hidden.shape[:-1]`` integer labels.
+            labels: ``(...)`` = ``hidden.shape[:-1]`` integer labels, or
+                ``hidden.shape[:-1] + (K,)`` for K candidates per row.
             temperature: overrides the module's default (float or a tensor
                 broadcastable to ``hidden.shape[:-1]``).
             return_entropy: also return the entropy (else ``None``).
 
         Returns:
-            fp32 (fp64 for fp64 inputs) ``(log_probs, entropy)`` of shape
-            ``labels.shape``; see :func:`log_probs_and_entropy_from_hidden`.
+            fp32 (fp64 for fp64 inputs) ``(log_probs, entropy)`` of shapes
+            ``labels.shape`` and ``hidden.shape[:-1]``; see
+            :func:`log_probs_and_entropy_from_hidden`.
         """
         kw: dict[str, Any] = {
             "temperature": self.temperature if temperature is None else temperature,
             "return_entropy": return_entropy,
             "ignore_index": self.ignore_index,
+            "logit_scale": self.logit_scale,
+            "softcap": self.softcap,
+            "vocab_size": self.vocab_size,
+            "vocab_parallel": self.vocab_parallel,
             "chunk_size": self.chunk_size,
+            "vocab_chunk_size": self.vocab_chunk_size,
             "backend": self.backend,
             "validate": self.validate,
         }

@@ -113,29 +113,18 @@ def _swapped(spec: HeadSpec, forward: Any) -> Iterator[None]:
                 setattr(c, name, value)
 
 
-def _vocab_limit(spec: HeadSpec, model: Any, ignore_vocab_padding: object) -> int | None:
+def _vocab_limit(spec: HeadSpec, vocab_size: object) -> int | None:
     rows = spec.module.out_features
-    if ignore_vocab_padding is False or ignore_vocab_padding is None:
+    if vocab_size is None:
         return None
-    if ignore_vocab_padding is True:
-        real = getattr(model.config.get_text_config(), "vocab_size", None)
-        if not isinstance(real, int) or real >= rows:
-            raise ValueError(
-                f"ignore_vocab_padding=True needs config.vocab_size below the head's {rows} rows "
-                f"(got {real}); pass the tokenizer's vocabulary size as an int instead"
-            )
-        return real
-    if isinstance(ignore_vocab_padding, bool) or not isinstance(ignore_vocab_padding, int):
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(
-            "ignore_vocab_padding must be a bool or an int (the number of real tokens), got "
-            f"{type(ignore_vocab_padding).__name__}"
+            f"vocab_size must be an int (the number of real tokens) or None, got "
+            f"{type(vocab_size).__name__}"
         )
-    if not 1 <= ignore_vocab_padding <= rows:
-        raise ValueError(
-            f"ignore_vocab_padding must be in [1, {rows}] (the head's rows), got "
-            f"{ignore_vocab_padding}"
-        )
-    return ignore_vocab_padding
+    if not 1 <= vocab_size <= rows:
+        raise ValueError(f"vocab_size must be in [1, {rows}] (the head's rows), got {vocab_size}")
+    return vocab_size
 
 
 def _check_batch(
@@ -176,8 +165,14 @@ _RESERVED_MODEL_KWARGS = {
     "max_length_k": "the packed layout is computed from attention_mask",
 }
 
+#: Arguments of earlier releases and their names now.
+_RENAMED = {"ignore_vocab_padding": "vocab_size (the number of real tokens, an int)"}
+
 
 def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    for name, new in _RENAMED.items():
+        if name in model_kwargs:
+            raise TypeError(f"response_log_probs(): {name} is now called {new}")
     for name, why in _RESERVED_MODEL_KWARGS.items():
         if name in model_kwargs:
             raise TypeError(
@@ -195,7 +190,7 @@ def response_log_probs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = True,
     packed: bool | None = None,
-    ignore_vocab_padding: bool | int = False,
+    vocab_size: int | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     backend: str = "auto",
@@ -232,9 +227,9 @@ def response_log_probs(
             implementation that honours packed sequences can do
             (flash-attention). ``None``: packed exactly when the model's
             attention implementation is one of those; ``True`` there or an error.
-        ignore_vocab_padding: head rows past the tokenizer's vocabulary are left
-            out of the softmax: ``True`` takes ``config.vocab_size`` as the number
-            of real tokens (when it is below the head's rows), an int gives it.
+        vocab_size: the number of real tokens (the tokenizer's vocabulary, e.g.
+            ``len(tokenizer)``): head rows from it on are padding, left out of the
+            softmax. ``None``: every row of the head is a token.
         chunk_size, vocab_chunk_size, backend: as in
             :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`.
         **model_kwargs: passed on to ``model(...)``; those the call sets itself
@@ -254,7 +249,7 @@ def response_log_probs(
         temperature, (B, R), ids.device, validate=False, shape_name="(B, response_length)",
         device_of="input_ids",
     )  # fmt: skip
-    vocab = _vocab_limit(spec, model, ignore_vocab_padding)
+    vocab = _vocab_limit(spec, vocab_size)
     attn = getattr(model.config, "_attn_implementation", None)
     if packed is None:
         packed = attn in PACKED_ATTENTION

@@ -45,7 +45,6 @@ from rlmath.losses.gpg import (
 from rlmath.losses.gspo import (
     compute_policy_loss_gspo,
     compute_policy_loss_gspo_seq,
-    compute_policy_loss_gspo_token,
     sequence_log_ratio,
 )
 from rlmath.losses.ppo_clip import (
@@ -54,7 +53,6 @@ from rlmath.losses.ppo_clip import (
 )
 from rlmath.losses.registry import (
     get_policy_loss,
-    get_policy_loss_fn,
     list_policy_losses,
     register_policy_loss,
 )
@@ -105,7 +103,6 @@ __all__ = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_gspo_seq",
-    "compute_policy_loss_gspo_token",
     "compute_policy_loss_kl_cov",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
@@ -113,7 +110,6 @@ __all__ = [
     "compute_policy_loss_vespo",
     "compute_value_loss",
     "get_policy_loss",
-    "get_policy_loss_fn",
     "global_batch_info",
     "kl_cov_selection",
     "list_policy_losses",

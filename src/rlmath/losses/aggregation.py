@@ -201,6 +201,7 @@ def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
+    *,
     loss_agg_mode: str = "token-mean",
     **aggregation: Unpack[AggregationKwargs],
 ) -> torch.Tensor:
@@ -297,6 +298,7 @@ def aggregate(
 
 def global_batch_info(
     loss_mask: torch.Tensor | Sequence[torch.Tensor],
+    *,
     group: Any = None,
 ) -> Aggregation:
     """Token and sequence counts of a whole optimizer step, for :func:`agg_loss` and the losses.
@@ -306,11 +308,10 @@ def global_batch_info(
             ``(*, T)`` or a sequence of micro-batch masks (their widths may
             differ). Bool, 0/1 or non-negative weights.
         group: the ``torch.distributed`` process group over which the batch is
-            split, as everywhere in :mod:`rlmath.distributed`: ``None`` is the
-            default (world) group when torch.distributed is initialized, else
-            this process alone. The counts are summed over it with one
-            all-reduce (on the mask's device: no host sync) and ``dp_size`` is
-            its size.
+            split (``torch.distributed.group.WORLD`` for every rank), as the
+            ``group`` of every function: ``None`` is this process alone. The
+            counts are summed over it with one all-reduce (on the mask's
+            device: no host sync) and ``dp_size`` is its size.
 
     Returns:
         An :class:`Aggregation` with ``global_num_tokens`` and
@@ -345,7 +346,7 @@ def global_batch_info(
     if group is not None and not (dist.is_available() and dist.is_initialized()):
         raise ValueError("group was given but torch.distributed is not initialized")
     dp_size = 1
-    if is_distributed(group):
+    if group is not None and is_distributed(group):
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         dp_size = group_size(group)
     return Aggregation(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=dp_size)

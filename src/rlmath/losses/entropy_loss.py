@@ -13,7 +13,7 @@ from rlmath._validation import (
     result_dtype,
     valid_mask,
 )
-from rlmath.logprobs.log_probs import log_probs_and_entropy_from_logits
+from rlmath.log_probs.log_probs import log_probs_and_entropy_from_logits
 from rlmath.losses.aggregation import LOSS_AGG_MODES, Aggregation, AggregationKwargs, aggregate
 
 _SKIP = -1  # the label of masked positions: the entropy there is never computed
@@ -24,12 +24,11 @@ __all__ = ["compute_entropy_loss"]
 def compute_entropy_loss(
     logits: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
     *,
+    loss_agg_mode: str = "token-mean",
     temperature: float = 1.0,
-    sanitize_logits: bool = True,
     **aggregation: Unpack[AggregationKwargs],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``agg(H(softmax(logits / temperature)))`` over the valid tokens.
 
     Args:
@@ -37,17 +36,17 @@ def compute_entropy_loss(
             whole: the entropy is computed in fp32 chunk by chunk).
         response_mask: bool or 0/1, shape ``(B, T)``.
         loss_agg_mode: see :func:`rlmath.agg_loss`.
-        temperature: the sampling temperature (> 0).
-        sanitize_logits: accepted for compatibility and no longer needed: the
-            logits of masked rows are never read (they are skipped as ignored
-            positions of the vocabulary engine), so NaN or inf there cannot
-            reach the loss or the gradient, without copying ``logits``.
+        temperature: the sampling temperature (> 0). The logits of masked rows
+            are never read (they are skipped as ignored positions of the
+            vocabulary engine), so NaN or inf there cannot reach the loss or the
+            gradient, without a copy of ``logits``.
         **aggregation: ``global_num_tokens``, ``global_num_seqs``, ``dp_size``,
             ``norm_length`` (:class:`rlmath.losses.aggregation.Aggregation`).
 
     Returns:
-        0-d tensor, fp32 (fp64 for fp64 logits). Subtract ``coef ·`` it from
-        the policy loss to encourage exploration.
+        ``(loss, metrics)``: the 0-d aggregated entropy, fp32 (fp64 for fp64
+        logits), and ``{"entropy": ...}``, its detached value. Subtract ``coef ·``
+        the loss from the policy loss to encourage exploration.
     """
     check_tensor("logits", logits, floating=True)
     if logits.dim() < 2:
@@ -56,13 +55,13 @@ def compute_entropy_loss(
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     agg = Aggregation.of(aggregation)
     temperature = check_in_range("temperature", temperature, 0.0, None, low_inclusive=False)
-    del sanitize_logits
     valid = valid_mask(response_mask)
     labels = torch.where(valid, 0, _SKIP)
     _, entropy = log_probs_and_entropy_from_logits(
         logits, labels, temperature=temperature, ignore_index=_SKIP
     )
     dtype = result_dtype(logits)
-    return aggregate(
+    loss = aggregate(
         entropy, valid, torch.where(valid, response_mask.to(dtype), 0), loss_agg_mode, agg
     )
+    return loss, {"entropy": loss.detach()}

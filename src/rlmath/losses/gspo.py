@@ -47,7 +47,6 @@ from rlmath.masked import masked_mean
 __all__ = [
     "compute_policy_loss_gspo",
     "compute_policy_loss_gspo_seq",
-    "compute_policy_loss_gspo_token",
     "sequence_log_ratio",
 ]
 
@@ -161,5 +160,5 @@ def compute_policy_loss_gspo(
     return loss, metrics
 
 
-#: The GSPO paper's name for the per-token-advantage form; the same function.
-compute_policy_loss_gspo_token = register_policy_loss("gspo_token")(compute_policy_loss_gspo)
+# The paper's name for this variant (GSPO-token), registered beside verl's "gspo".
+register_policy_loss("gspo_token")(compute_policy_loss_gspo)

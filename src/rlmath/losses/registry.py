@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["get_policy_loss", "get_policy_loss_fn", "list_policy_losses", "register_policy_loss"]
+__all__ = ["get_policy_loss", "list_policy_losses", "register_policy_loss"]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -44,10 +44,6 @@ def get_policy_loss(name: str) -> PolicyLossFn:
             f"{', '.join(list_policy_losses())}{hint}"
         )
     return _REGISTRY[name]
-
-
-#: verl's name for :func:`get_policy_loss`.
-get_policy_loss_fn = get_policy_loss
 
 
 def register_policy_loss(

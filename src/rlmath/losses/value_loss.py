@@ -30,11 +30,12 @@ def compute_value_loss(
     returns: torch.Tensor,
     values: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
     **aggregation: Unpack[AggregationKwargs],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value-function loss and the fraction of tokens where the clipped term was larger.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value-function loss, and the fraction of tokens where the clipped term was larger.
 
     Args:
         vpreds: current value predictions (gradients flow through them).
@@ -49,8 +50,9 @@ def compute_value_loss(
             ``norm_length`` (:class:`rlmath.losses.aggregation.Aggregation`).
 
     Returns:
-        ``(vf_loss, vf_clipfrac)``: 0-d tensors, fp32 (fp64 for fp64 inputs);
-        ``vf_clipfrac`` is detached (0 when clipping is off).
+        ``(loss, metrics)``: the 0-d loss, fp32 (fp64 for fp64 inputs), and
+        ``{"vf_clipfrac": ...}``, the fraction of valid tokens whose clipped
+        term was the larger (a detached 0-d tensor; 0 when clipping is off).
     """
     check_tensor("vpreds", vpreds, floating=True)
     check_tensor("returns", returns, floating=True)
@@ -78,4 +80,4 @@ def compute_value_loss(
         n = weight.sum()
         clipfrac = ((larger.to(dtype) * weight).sum() / torch.where(n == 0, 1.0, n)).detach()
     loss = 0.5 * aggregate(loss_mat, valid, weight, loss_agg_mode, agg)
-    return loss, clipfrac
+    return loss, {"vf_clipfrac": clipfrac}

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["OPTIONS", "finish_metrics"]
+__all__ = ["OPTIONS", "finish_metrics", "world_group"]
 
 
 class _Options:
@@ -23,3 +24,12 @@ def finish_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     if OPTIONS.float_metrics:
         return {k: float(v) for k, v in metrics.items()}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+
+
+def world_group() -> Any:
+    """The default process group when ``torch.distributed`` is initialized, else ``None``.
+
+    verl's distributed statistics reduce over the world; rlmath's take the group
+    as an argument (``None``: this process only).
+    """
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

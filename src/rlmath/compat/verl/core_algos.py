@@ -224,7 +224,7 @@ def agg_loss(
     kw = _agg_kwargs(
         loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
     )
-    return rlmath.agg_loss(loss_mat, loss_mask, loss_agg_mode, **kw)
+    return rlmath.agg_loss(loss_mat, loss_mask, loss_agg_mode=loss_agg_mode, **kw)
 
 
 def compute_value_loss(
@@ -244,16 +244,18 @@ def compute_value_loss(
         response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
         loss_scale_factor,
     )  # fmt: skip
-    return rlmath.compute_value_loss(
-        vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, **kw
-    )
+    loss, metrics = rlmath.compute_value_loss(
+        vpreds, returns, values, response_mask, cliprange_value=cliprange_value,
+        loss_agg_mode=loss_agg_mode, **kw,
+    )  # fmt: skip
+    return loss, metrics["vf_clipfrac"]
 
 
 def compute_entropy_loss(
     logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
 ) -> torch.Tensor:
     """Aggregated entropy of ``softmax(logits)`` (:func:`rlmath.compute_entropy_loss`)."""
-    return rlmath.compute_entropy_loss(logits, response_mask, loss_agg_mode)
+    return rlmath.compute_entropy_loss(logits, response_mask, loss_agg_mode=loss_agg_mode)[0]
 
 
 # ------------------------------------------------------------------ KL, rewards, controllers
@@ -972,3 +974,31 @@ ADV_ESTIMATORS: dict[str, Any] = {
     "optimal_token_baseline": compute_optimal_token_baseline_advantage,
     "tir_optimal_token_baseline": compute_multi_turn_optimal_token_baseline_advantage,
 }
+
+
+def get_policy_loss_fn(name: str) -> Any:
+    """verl's lookup of a policy loss by its registry name: the function with verl's signature.
+
+    rlmath's own registry is :func:`rlmath.get_policy_loss` (rlmath's signatures).
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(
+            f"unknown policy loss {name!r}; verl's names are {', '.join(sorted(POLICY_LOSSES))}"
+        )
+    return POLICY_LOSSES[name]
+
+
+def get_adv_estimator_fn(name: Any) -> Any:
+    """verl's lookup of an advantage estimator by name (a string or verl's enum member)."""
+    key = getattr(name, "value", name)
+    if key not in ADV_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {key!r}; verl's names are "
+            f"{', '.join(sorted(ADV_ESTIMATORS))}"
+        )
+    return ADV_ESTIMATORS[key]
+
+
+# Lookups of verl's own registries: not among the names install() replaces in verl
+# (it fills verl's registries instead, see _install.py).
+__all__ += ["get_adv_estimator_fn", "get_policy_loss_fn"]

@@ -37,9 +37,8 @@ from typing import Any
 import torch
 
 import rlmath
-import rlmath.distributed as rd
 from rlmath.compat._config import config_get
-from rlmath.compat.verl._state import finish_metrics
+from rlmath.compat.verl._state import finish_metrics, world_group
 
 __all__ = [
     "SAFETY_BOUND",
@@ -459,10 +458,10 @@ def compute_rollout_correction_weights(
         metrics["rollout_is_oob_ratio"] = _frac((raw < lower) | (raw > upper), response_mask)
     if rollout_is_batch_normalize:
         if rollout_is == "token":
-            mean = rd.masked_mean(weights, response_mask)
+            mean = rlmath.masked_mean(weights, response_mask, group=world_group())
         else:
             seq_weights = rlmath.masked_mean(weights, response_mask, axis=-1)
-            mean = rd.masked_mean(seq_weights, valid.any(dim=-1))
+            mean = rlmath.masked_mean(seq_weights, valid.any(dim=-1), group=world_group())
         ok = mean > 1e-8
         weights = torch.where(ok, weights / torch.where(ok, mean, 1.0), weights)
         metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0).detach()

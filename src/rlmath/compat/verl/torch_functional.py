@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import rlmath
 import rlmath.distributed as rd
+from rlmath.compat.verl._state import world_group
 
 __all__ = [
     "calculate_sum_pi_squared_from_logits",
@@ -88,7 +89,7 @@ def masked_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True
 ) -> torch.Tensor:
     """Masked whitening (:func:`rlmath.masked_whiten`); masked positions are exactly 0."""
-    return rlmath.masked_whiten(values, mask, shift_mean)
+    return rlmath.masked_whiten(values, mask, shift_mean=shift_mean)
 
 
 def get_response_mask(
@@ -139,22 +140,23 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def logprobs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True
 ) -> torch.Tensor:
-    """Log-probs of ``labels`` (:func:`rlmath.logprobs_from_logits`), fp32, bounded memory.
+    """Log-probs of ``labels`` (:func:`rlmath.log_probs_from_logits`), fp32, bounded memory.
 
     ``inplace_backward`` is accepted for verl's signature; rlmath's backward
     always writes into the gradient buffer without an ``[N, V]`` temporary.
     """
-    return rlmath.logprobs_from_logits(logits, labels, inplace_backward)
+    del inplace_backward
+    return rlmath.log_probs_from_logits(logits, labels, ignore_index=None)
 
 
 def logprobs_from_logits_naive(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """verl's ``log_softmax`` + gather path; rlmath's chunked computation, fp32."""
-    return rlmath.log_probs_from_logits(logits, labels)
+    return rlmath.log_probs_from_logits(logits, labels, ignore_index=None)
 
 
 def logprobs_from_logits_v2(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """verl's row-by-row path; rlmath's chunked computation, fp32 (verl: bf16 for bf16)."""
-    return rlmath.log_probs_from_logits(logits, labels)
+    return rlmath.log_probs_from_logits(logits, labels, ignore_index=None)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -277,9 +279,11 @@ def distributed_mean_max_min_std(
     :func:`rlmath.distributed.distributed_mean_max_min_std`; outside
     ``torch.distributed`` it is the local statistics (verl requires a group).
     """
-    return rd.distributed_mean_max_min_std(local_tensor, compute_max, compute_min, compute_std)
+    return rd.distributed_mean_max_min_std(
+        local_tensor, compute_max, compute_min, compute_std, group=world_group()
+    )
 
 
 def distributed_masked_mean(local_tensor: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
-    """Global masked mean over the default process group (:func:`rlmath.distributed.masked_mean`)."""
-    return rd.masked_mean(local_tensor, local_mask)
+    """Global masked mean over the default process group (:func:`rlmath.masked_mean` with ``group``)."""
+    return rlmath.masked_mean(local_tensor, local_mask, group=world_group())

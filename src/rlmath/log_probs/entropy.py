@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine import api
+from rlmath.engine.config import VocabParallel
 
 __all__ = ["entropy_from_logits"]
 
@@ -13,6 +14,8 @@ def entropy_from_logits(
     logits: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
@@ -27,12 +30,15 @@ def entropy_from_logits(
 
     Args:
         logits: ``(..., V)`` float tensor (fp32, bf16, fp16 or fp64; any strides),
-            or a DTensor (see :func:`rlmath.logprobs.log_probs_from_logits`).
+            or a DTensor (see :func:`rlmath.log_probs.log_probs_from_logits`).
         temperature: float > 0 or a tensor broadcastable to ``logits.shape[:-1]``;
             the result equals the call on ``logits / temperature``.
+        vocab_size, vocab_parallel: the real tokens of the whole vocabulary and
+            this rank's shard of it, as in :func:`log_probs_from_logits`.
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        validate: check a tensor temperature is positive (a host sync).
+        validate: check a tensor temperature is positive (a host sync; with
+            ``vocab_parallel``, that every rank passes the same rows).
 
     Returns:
         ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits), differentiable
@@ -40,6 +46,7 @@ def entropy_from_logits(
     """
     _, ent = api.log_probs_entropy(
         logits, None, temperature=temperature, want_entropy=True, ignore_index=None,
-        chunk_size=chunk_size, backend=backend, validate=validate,
+        chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
+        vocab_parallel=vocab_parallel,
     )  # fmt: skip
     return ent

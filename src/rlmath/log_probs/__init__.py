@@ -4,25 +4,27 @@ Every function here is a thin face of :mod:`rlmath.engine`: it chunks over
 tokens (the logits are upcast to fp32 one chunk at a time, only an fp32
 log-sum-exp and entropy per row is saved, and backward recomputes each chunk
 and writes its gradient directly into the gradient buffer), takes
-``backend=`` to choose the implementation, and accepts DTensors. See
-``docs/logprobs.md``.
+``backend=`` to choose the implementation, accepts DTensors, and runs over a
+vocabulary split over processes when given ``vocab_parallel=``
+(:class:`VocabParallel`). See ``docs/log_probs.md``.
 """
 
-from rlmath.logprobs.entropy import entropy_from_logits
-from rlmath.logprobs.kl_from_logits import kl_from_logits
-from rlmath.logprobs.log_probs import (
+from rlmath.log_probs.entropy import entropy_from_logits
+from rlmath.log_probs.kl_from_logits import kl_from_logits
+from rlmath.log_probs.log_probs import (
+    VocabParallel,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
-    logprobs_from_logits,
 )
-from rlmath.logprobs.response import (
+from rlmath.log_probs.response import (
     log_probs_from_logits_all_rmpad,
     log_probs_from_logits_response,
     log_probs_from_logits_response_rmpad,
 )
-from rlmath.logprobs.sum_pi_squared import sum_pi_squared_from_logits
+from rlmath.log_probs.sum_pi_squared import sum_pi_squared_from_logits
 
 __all__ = [
+    "VocabParallel",
     "entropy_from_logits",
     "kl_from_logits",
     "log_probs_and_entropy_from_logits",
@@ -30,6 +32,5 @@ __all__ = [
     "log_probs_from_logits_all_rmpad",
     "log_probs_from_logits_response",
     "log_probs_from_logits_response_rmpad",
-    "logprobs_from_logits",
     "sum_pi_squared_from_logits",
 ]

@@ -5,12 +5,9 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine import api
+from rlmath.engine.config import VocabParallel
 
-__all__ = [
-    "log_probs_and_entropy_from_logits",
-    "log_probs_from_logits",
-    "logprobs_from_logits",
-]
+__all__ = ["VocabParallel", "log_probs_and_entropy_from_logits", "log_probs_from_logits"]
 
 
 def log_probs_from_logits(
@@ -18,7 +15,9 @@ def log_probs_from_logits(
     labels: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
-    ignore_index: int | None = None,
+    ignore_index: int | None = -100,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
@@ -46,18 +45,30 @@ def log_probs_from_logits(
             (e.g. one temperature per sequence). The result equals the call on
             ``logits / temperature`` with temperature 1 (the division is done in
             fp32). A tensor temperature receives no gradient.
-        ignore_index: label value of positions to skip (HF uses -100): they get
-            log-prob 0 and no gradient; a row whose labels are all ignored is
-            never read (NaN logits or a zero temperature there are harmless).
-            ``None``: every label is a token id.
+        ignore_index: label value of positions to skip (-100, as in HF and
+            ``torch.nn.functional.cross_entropy``): they get log-prob 0 and no
+            gradient; a row whose labels are all ignored is never read (NaN
+            logits or a zero temperature there are harmless). ``None``: no label
+            is skipped.
+        vocab_size: the number of real tokens of the whole vocabulary: columns
+            from it on are padding (a vocabulary padded to a multiple of 128,
+            say), left out of the softmax without a copy and given a zero
+            gradient. ``None``: every column is a token.
+        vocab_parallel: ``logits`` holds this rank's columns of a vocabulary
+            split over a process group (:class:`VocabParallel`: the group, this
+            rank's first token id); the result is over the whole vocabulary,
+            the same on every rank, and the gradient is this rank's columns of
+            the whole gradient. ``None``: ``logits`` holds the whole vocabulary.
         chunk_size: rows per chunk; ``None`` picks one from ``V``, the number of rows
             and the device (:func:`rlmath.engine.policy.auto_chunk_size`). Changes
             speed and memory only, never the result.
         backend: ``"auto"`` (the best available for the input), ``"torch"`` (pure
             PyTorch, every device) or ``"triton"`` (CUDA kernels, when installed).
         validate: check that every label lies in ``[0, V)`` or is ``ignore_index``
-            (and that a tensor temperature is positive) with a clear ``ValueError``;
-            off by default because it reads tensor data (a host sync).
+            (and that a tensor temperature is positive; with ``vocab_parallel``,
+            that every rank passes the same rows and labels) with a clear
+            ``ValueError``; off by default because it reads tensor data (a host
+            sync).
 
     Returns:
         Log-probabilities of shape ``labels.shape``, fp32 (fp64 for fp64 logits).
@@ -65,43 +76,10 @@ def log_probs_from_logits(
     """
     logp, _ = api.log_probs_entropy(
         logits, labels, temperature=temperature, want_entropy=False, ignore_index=ignore_index,
-        chunk_size=chunk_size, backend=backend, validate=validate,
+        chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
+        vocab_parallel=vocab_parallel,
     )  # fmt: skip
     return logp
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    inplace_backward: bool = True,
-    *,
-    temperature: float | torch.Tensor = 1.0,
-    ignore_index: int | None = None,
-    chunk_size: int | None = None,
-    backend: str = "auto",
-    validate: bool = False,
-) -> torch.Tensor:
-    """verl's spelling of :func:`log_probs_from_logits`, for migration.
-
-    ``inplace_backward`` is accepted for signature compatibility with verl and
-    ignored: the backward here always writes the gradient chunk by chunk into
-    a single buffer.
-
-    Args:
-        logits: ``(..., V)`` float tensor.
-        labels: ``(...)`` or ``(..., K)`` integer tensor.
-        inplace_backward: ignored.
-        temperature, ignore_index, chunk_size, backend, validate: as in
-            :func:`log_probs_from_logits`.
-
-    Returns:
-        fp32 (fp64 for fp64 logits) log-probabilities of shape ``labels.shape``.
-    """
-    del inplace_backward
-    return log_probs_from_logits(
-        logits, labels, temperature=temperature, ignore_index=ignore_index,
-        chunk_size=chunk_size, backend=backend, validate=validate,
-    )  # fmt: skip
 
 
 def log_probs_and_entropy_from_logits(
@@ -109,7 +87,9 @@ def log_probs_and_entropy_from_logits(
     labels: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
-    ignore_index: int | None = None,
+    ignore_index: int | None = -100,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
@@ -127,8 +107,8 @@ def log_probs_and_entropy_from_logits(
             DTensor (as in :func:`log_probs_from_logits`).
         labels: ``(...)`` or ``(..., K)`` integer tensor, values in ``[0, V)``
             or ``ignore_index``.
-        temperature, ignore_index, chunk_size, backend, validate: as in
-            :func:`log_probs_from_logits`.
+        temperature, ignore_index, vocab_size, vocab_parallel, chunk_size, backend,
+            validate: as in :func:`log_probs_from_logits`.
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``logits.shape[:-1]``,
@@ -136,5 +116,6 @@ def log_probs_and_entropy_from_logits(
     """
     return api.log_probs_entropy(  # type: ignore[no-any-return]
         logits, labels, temperature=temperature, want_entropy=True, ignore_index=ignore_index,
-        chunk_size=chunk_size, backend=backend, validate=validate,
+        chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
+        vocab_parallel=vocab_parallel,
     )  # fmt: skip

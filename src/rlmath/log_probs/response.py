@@ -20,6 +20,7 @@ import torch
 
 from rlmath._validation import check_index_tensor, check_logits, check_tensor
 from rlmath.engine import api
+from rlmath.engine.config import VocabParallel
 
 __all__ = [
     "log_probs_from_logits_all_rmpad",
@@ -34,10 +35,13 @@ def log_probs_from_logits_response(
     response_length: int,
     *,
     temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    validate: bool = False,
 ) -> torch.Tensor:
-    """Log-probs of the last ``response_length`` tokens from dense logits.
+    """Log-probs of the last ``R = response_length`` tokens from dense logits.
 
     ``logits[:, t]`` predicts ``input_ids[:, t + 1]``: the result is
     ``log_probs_from_logits(logits[:, -R-1:-1], input_ids[:, -R:])``, computed
@@ -50,8 +54,15 @@ def log_probs_from_logits_response(
         response_length: ``R``, in ``[1, S - 1]``.
         temperature: float or tensor broadcastable to ``(B, S)`` (the temperature
             of the predicting position).
+        vocab_size, vocab_parallel: the real tokens of the whole vocabulary and
+            this rank's shard of it (``logits`` then holds this rank's columns), as
+            in :func:`~rlmath.log_probs.log_probs_from_logits`.
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        validate: check that every response token is a token id (with
+            ``vocab_parallel``, also that every rank passes the same tokens) and
+            that a tensor temperature is positive, with a ``ValueError`` (a host
+            sync). Without it a token that is not an id gives NaN.
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits). Columns whose token
@@ -60,7 +71,8 @@ def log_probs_from_logits_response(
     """
     return api.dense_response_log_probs(
         input_ids, logits, response_length, temperature=temperature, chunk_size=chunk_size,
-        backend=backend,
+        backend=backend, validate=validate, vocab_size=vocab_size,
+        vocab_parallel=vocab_parallel,
     )  # fmt: skip
 
 
@@ -99,6 +111,8 @@ def log_probs_from_logits_response_rmpad(
     response_length: int,
     *,
     temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
@@ -123,11 +137,16 @@ def log_probs_from_logits_response_rmpad(
         response_length: ``R``, the response occupies the last ``R`` columns; in ``[1, S]``.
         temperature: float or tensor broadcastable to ``(B, S)``, taken at the
             predicting position.
+        vocab_size, vocab_parallel: the real tokens of the whole vocabulary and
+            this rank's shard of it (``logits_rmpad`` then holds this rank's
+            columns), as in :func:`~rlmath.log_probs.log_probs_from_logits`.
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        validate: check that ``logits_rmpad`` has one row per valid token, with a
-            ``ValueError`` (a host sync). Without it a mismatch makes every result
-            NaN, found without reading anything on the host.
+        validate: check that ``logits_rmpad`` has one row per valid token and
+            that every response token is a token id (with ``vocab_parallel``, also
+            that every rank passes the same tokens), with a ``ValueError`` (a host
+            sync). Without it a row-count mismatch makes every result NaN, found
+            without reading anything on the host.
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits); 0 where the token is
@@ -139,7 +158,8 @@ def log_probs_from_logits_response_rmpad(
     x = check_packed_logits(logits_rmpad)
     return api.packed_response_log_probs(
         ids, api.packed_rows_from_mask(mask), x, R, temperature=temperature,
-        chunk_size=chunk_size, backend=backend, validate=validate,
+        chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
+        vocab_parallel=vocab_parallel,
     )  # fmt: skip
 
 
@@ -152,8 +172,11 @@ def log_probs_from_logits_all_rmpad(
     response_length: int,
     *,
     temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    validate: bool = False,
 ) -> torch.Tensor:
     """Response log-probs from packed ids and logits, shifting within each sequence.
 
@@ -170,8 +193,10 @@ def log_probs_from_logits_all_rmpad(
         seqlen: ``S``.
         response_length: ``R`` in ``[1, S]``.
         temperature: float or tensor broadcastable to ``(B, S)``.
+        vocab_size, vocab_parallel: as in :func:`log_probs_from_logits_response_rmpad`.
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        validate: as in :func:`log_probs_from_logits_response_rmpad`.
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits), 0 where the token is
@@ -196,5 +221,5 @@ def log_probs_from_logits_all_rmpad(
     ids, row_of = api.packed_rows_from_indices(idx, ids_p, batch_size, seqlen)
     return api.packed_response_log_probs(
         ids, row_of, x, R, temperature=temperature, chunk_size=chunk_size, backend=backend,
-        validate=False,
+        validate=validate, vocab_size=vocab_size, vocab_parallel=vocab_parallel,
     )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine import api
+from rlmath.engine.config import VocabParallel
 
 __all__ = ["sum_pi_squared_from_logits"]
 
@@ -13,6 +14,8 @@ def sum_pi_squared_from_logits(
     logits: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
@@ -29,6 +32,9 @@ def sum_pi_squared_from_logits(
     Args:
         logits: ``(..., V)`` float tensor, any floating dtype and strides.
         temperature: float > 0 or a tensor broadcastable to ``logits.shape[:-1]``.
+        vocab_size, vocab_parallel: the real tokens of the whole vocabulary and
+            this rank's shard of it, as in
+            :func:`~rlmath.log_probs.log_probs_from_logits`.
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check a tensor temperature is positive (a host sync).
@@ -37,5 +43,6 @@ def sum_pi_squared_from_logits(
         ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits), in ``(0, 1]``.
     """
     return api.sum_pi_squared(
-        logits, temperature=temperature, chunk_size=chunk_size, backend=backend, validate=validate
-    )
+        logits, temperature=temperature, chunk_size=chunk_size, backend=backend, validate=validate,
+        vocab_size=vocab_size, vocab_parallel=vocab_parallel,
+    )  # fmt: skip

@@ -1,16 +1,18 @@
-"""The cross-rank check of a vocabulary-parallel layout (``validate=True``).
+"""The cross-rank check of a vocabulary-parallel call (``validate=True``).
 
-Shape-only checks run on every call (:func:`rlmath.engine.api.vocab_shard`);
-:func:`validate_layout` compares the ranks' layouts with one collective and a
-host sync.
+The shards' tiling of ``[0, V)`` is checked on every call, inside the
+engine's first collective (:func:`rlmath.engine.stats.combine_shards`);
+:func:`validate_layout` adds, with one more collective and a host sync, that
+every rank passes the same rows and labels and that every label is a token
+id of the whole vocabulary or ``ignore_index``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlmath.distributed._collectives import ProcessGroup, all_reduce, rank, world_size
-from rlmath.engine import VocabShard
+from rlmath.engine.config import VocabShard
+from rlmath.engine.groups import ProcessGroup, all_reduce, group_rank, group_size, resolve_group
 
 __all__ = ["validate_layout"]
 
@@ -22,14 +24,16 @@ def validate_layout(
     labels: torch.Tensor | None,
     ignore_index: int | None,
     device: torch.device,
-    group: ProcessGroup | None,
 ) -> None:
-    """Check across the group that the shards tile the vocabulary and the rows agree.
+    """Check across the shard's group that the shards tile the vocabulary and the rows agree.
 
     One all-reduce of a ``(world, 5)`` int64 table, then a host sync. Raises
     ``ValueError`` on every rank with the same message.
     """
-    world, me = world_size(group), rank(group)
+    group: ProcessGroup | None = resolve_group(shard.group)
+    if group is None:
+        return
+    world, me = group_size(group), group_rank(group)
     real = shard.real_columns(width)
     label_sum = int(labels.sum()) if labels is not None and labels.numel() else 0
     table = torch.zeros(world, 5, dtype=torch.int64, device=device)
