@@ -34,6 +34,11 @@ LOSS_KWARGS: dict[str, dict] = {
     "dro": {"dro_beta": 0.3},
     "reinforce": {},
     "vespo": {},
+    "two_sided_clip": {"delta": 1.5},  # δ low enough that the random ratios reach it
+    "luspo": {},
+    "topr": {},
+    "kimi15": {},
+    "ipo": {"ipo_threshold": 0.05, "kl_tau": 0.01},  # masks a share of the random tokens
 }
 
 

@@ -48,6 +48,16 @@ from rlmath.losses.gspo import (
     compute_policy_loss_gspo_token,
     sequence_log_ratio,
 )
+from rlmath.losses.ipo import (
+    compute_policy_loss_ipo,
+)
+from rlmath.losses.kimi15 import (
+    KIMI15_PENALTY_LEVELS,
+    compute_policy_loss_kimi15,
+)
+from rlmath.losses.luspo import (
+    compute_policy_loss_luspo,
+)
 from rlmath.losses.ppo_clip import (
     compute_policy_loss_vanilla,
     ppo_clip_regions,
@@ -77,6 +87,13 @@ from rlmath.losses.rollout_rejection import (
 from rlmath.losses.sapo import (
     compute_policy_loss_sapo,
 )
+from rlmath.losses.topr import (
+    TOPR_RATIO_LEVELS,
+    compute_policy_loss_topr,
+)
+from rlmath.losses.two_sided_clip import (
+    compute_policy_loss_two_sided_clip,
+)
 from rlmath.losses.value_loss import (
     compute_value_loss,
 )
@@ -86,10 +103,12 @@ from rlmath.losses.vespo import (
 )
 
 __all__ = [
+    "KIMI15_PENALTY_LEVELS",
     "LOSS_AGG_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
     "ROLLOUT_REJECTION_OPTIONS",
+    "TOPR_RATIO_LEVELS",
     "RolloutCorrection",
     "RolloutRejection",
     "agg_loss",
@@ -106,9 +125,14 @@ __all__ = [
     "compute_policy_loss_gspo",
     "compute_policy_loss_gspo_seq",
     "compute_policy_loss_gspo_token",
+    "compute_policy_loss_ipo",
+    "compute_policy_loss_kimi15",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_luspo",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
+    "compute_policy_loss_topr",
+    "compute_policy_loss_two_sided_clip",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_vespo",
     "compute_value_loss",
