@@ -7,6 +7,7 @@ docs/design.md; each function's docstring states the shapes and dtypes.
 
 from rlmath import (
     advantages,
+    entropy_controllers,
     fused_head,
     kl,
     kl_controllers,
@@ -19,6 +20,7 @@ from rlmath import (
     tensor_utils,
 )
 from rlmath.advantages import *
+from rlmath.entropy_controllers import *
 from rlmath.fused_head import *
 from rlmath.kl import *
 from rlmath.kl_controllers import *
@@ -39,6 +41,7 @@ __all__ += tensor_utils.__all__
 __all__ += padding.__all__
 __all__ += kl.__all__
 __all__ += kl_controllers.__all__
+__all__ += entropy_controllers.__all__
 __all__ += rewards.__all__
 __all__ += schedules.__all__
 __all__ += logprobs.__all__

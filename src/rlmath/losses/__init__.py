@@ -48,6 +48,11 @@ from rlmath.losses.gspo import (
     compute_policy_loss_gspo_token,
     sequence_log_ratio,
 )
+from rlmath.losses.high_entropy_mask import (
+    HighEntropyMask,
+    high_entropy_token_mask,
+    masked_quantile,
+)
 from rlmath.losses.ipo import (
     compute_policy_loss_ipo,
 )
@@ -57,6 +62,13 @@ from rlmath.losses.kimi15 import (
 )
 from rlmath.losses.luspo import (
     compute_policy_loss_luspo,
+)
+from rlmath.losses.off_policy_sequence_mask import (
+    OffPolicySequenceMask,
+    off_policy_sequence_mask,
+)
+from rlmath.losses.positive_example_nll import (
+    compute_positive_example_nll_loss,
 )
 from rlmath.losses.ppo_clip import (
     compute_policy_loss_vanilla,
@@ -109,6 +121,8 @@ __all__ = [
     "ROLLOUT_CORRECTION_MODES",
     "ROLLOUT_REJECTION_OPTIONS",
     "TOPR_RATIO_LEVELS",
+    "HighEntropyMask",
+    "OffPolicySequenceMask",
     "RolloutCorrection",
     "RolloutRejection",
     "agg_loss",
@@ -135,12 +149,16 @@ __all__ = [
     "compute_policy_loss_two_sided_clip",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_vespo",
+    "compute_positive_example_nll_loss",
     "compute_value_loss",
     "get_policy_loss",
     "get_policy_loss_fn",
     "global_batch_info",
+    "high_entropy_token_mask",
     "kl_cov_selection",
     "list_policy_losses",
+    "masked_quantile",
+    "off_policy_sequence_mask",
     "ppo_clip_regions",
     "register_policy_loss",
     "rollout_correction",
