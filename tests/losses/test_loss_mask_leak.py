@@ -103,22 +103,22 @@ def test_entropy_loss(mode, garbage, seed):
 
 
 @given(
-    level=st.sampled_from(["token", "sequence", "geometric"]),
+    level=st.sampled_from(["token", "sequence", "geometric", "segment"]),
     mode=st.sampled_from(["truncate", "mask"]),
     garbage=GARBAGE,
     seed=st.integers(0, 10_000),
+    batch_normalize=st.booleans(),
 )
-def test_rollout_correction(level, mode, garbage, seed):
+def test_rollout_correction(level, mode, garbage, seed, batch_normalize):
     (old, _, _, _), mask = _batch(seed, 4, 5, torch.float64)
     rollout = (
         old
         + torch.randn(4, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         * 0.5
     )
-    a = rollout_correction(old, rollout, mask, level=level, mode=mode)
-    b = rollout_correction(
-        _dirty(old, mask, garbage), _dirty(rollout, mask, -garbage), mask, level=level, mode=mode
-    )
+    kw = {"level": level, "mode": mode, "batch_normalize": batch_normalize}
+    a = rollout_correction(old, rollout, mask, **kw)
+    b = rollout_correction(_dirty(old, mask, garbage), _dirty(rollout, mask, -garbage), mask, **kw)
     _assert_same(a.weights, b.weights)
     _assert_same(a.response_mask, b.response_mask)
     for k in a.metrics:

@@ -69,10 +69,10 @@ def _calls(device):
         yield lambda mode=mode: compute_entropy_loss(
             torch.randn(4, 6, 9, device=device, requires_grad=True), mask, mode, norm_length=6
         ).backward()
-    for level in ("token", "sequence", "geometric"):
+    for level in ("token", "sequence", "geometric", "segment"):
         for mode in ("truncate", "mask"):
             yield lambda level=level, mode=mode: rollout_correction(
-                old, logp, mask, level=level, mode=mode
+                old, logp, mask, level=level, mode=mode, batch_normalize=True
             )
     yield lambda: global_batch_info([mask, mask[:2]])
 

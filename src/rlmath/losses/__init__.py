@@ -74,6 +74,9 @@ from rlmath.losses.ppo_clip import (
     compute_policy_loss_vanilla,
     ppo_clip_regions,
 )
+from rlmath.losses.proximal_log_prob import (
+    loglinear_proximal_log_prob,
+)
 from rlmath.losses.registry import (
     get_policy_loss,
     get_policy_loss_fn,
@@ -88,6 +91,12 @@ from rlmath.losses.rollout_correction import (
     ROLLOUT_CORRECTION_MODES,
     RolloutCorrection,
     rollout_correction,
+    segment_labels,
+)
+from rlmath.losses.rollout_prob_diff import (
+    ROLLOUT_PROB_DIFF_LEVELS,
+    RolloutProbDiffFilter,
+    rollout_prob_diff_filter,
 )
 from rlmath.losses.rollout_rejection import (
     ROLLOUT_REJECTION_OPTIONS,
@@ -119,11 +128,13 @@ __all__ = [
     "LOSS_AGG_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "ROLLOUT_PROB_DIFF_LEVELS",
     "ROLLOUT_REJECTION_OPTIONS",
     "TOPR_RATIO_LEVELS",
     "HighEntropyMask",
     "OffPolicySequenceMask",
     "RolloutCorrection",
+    "RolloutProbDiffFilter",
     "RolloutRejection",
     "agg_loss",
     "binary_kl",
@@ -157,14 +168,17 @@ __all__ = [
     "high_entropy_token_mask",
     "kl_cov_selection",
     "list_policy_losses",
+    "loglinear_proximal_log_prob",
     "masked_quantile",
     "off_policy_sequence_mask",
     "ppo_clip_regions",
     "register_policy_loss",
     "rollout_correction",
+    "rollout_prob_diff_filter",
     "rollout_rejection",
     "rollout_rejection_bounds",
     "rollout_rejection_statistic",
+    "segment_labels",
     "sequence_log_ratio",
     "vespo_weight",
 ]
