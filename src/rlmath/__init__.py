@@ -15,6 +15,7 @@ from rlmath import (
     losses,
     masked,
     padding,
+    reward_shaping,
     rewards,
     schedules,
     tensor_utils,
@@ -28,6 +29,7 @@ from rlmath.logprobs import *
 from rlmath.losses import *
 from rlmath.masked import *
 from rlmath.padding import *
+from rlmath.reward_shaping import *
 from rlmath.rewards import *
 from rlmath.schedules import *
 from rlmath.tensor_utils import *
@@ -43,6 +45,7 @@ __all__ += kl.__all__
 __all__ += kl_controllers.__all__
 __all__ += entropy_controllers.__all__
 __all__ += rewards.__all__
+__all__ += reward_shaping.__all__
 __all__ += schedules.__all__
 __all__ += logprobs.__all__
 __all__ += fused_head.__all__
