@@ -9,7 +9,7 @@ import torch
 
 from rlmath import compute_entropy_loss
 
-from .helpers import MODES, ragged_mask, ref_agg
+from .helpers import MODES, agg_extra, ragged_mask, ref_agg
 
 
 def _ref_entropy(logits_row, temperature=1.0):
@@ -26,7 +26,7 @@ def test_matches_reference(mode, temperature):
     gen = torch.Generator().manual_seed(4)
     mask = ragged_mask(4, 5, gen)
     logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64) * 2
-    got = compute_entropy_loss(logits, mask, mode, temperature=temperature, norm_length=5)
+    got = compute_entropy_loss(logits, mask, mode, temperature=temperature, **agg_extra(mask))
     per = {
         (i, t): torch.tensor(_ref_entropy(logits[i, t], temperature), dtype=torch.float64)
         for i in range(4)

@@ -15,7 +15,7 @@ from rlmath import (
     rollout_correction,
 )
 
-from .helpers import LOSS_KWARGS, MODES, ragged_mask
+from .helpers import LOSS_KWARGS, MODES, agg_extra, ragged_mask
 
 GARBAGE = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 100.0, -100.0])
 
@@ -59,7 +59,7 @@ def test_policy_losses(name, mode, garbage, which, seed, dtype, shape):
             kw["generator"] = torch.Generator().manual_seed(seed)
         loss, metrics = get_policy_loss(name)(
             inputs["old"], leaf, inputs["adv"], mask, loss_agg_mode=mode,
-            rollout_is_weights=inputs["w"], norm_length=shape[1], **kw,
+            rollout_is_weights=inputs["w"], **agg_extra(mask), **kw,
         )  # fmt: skip
         loss.backward()
         results.append((loss.detach(), metrics, leaf.grad))
@@ -79,7 +79,7 @@ def test_value_loss(mode, garbage, seed):
     for dirty in (False, True):
         args = [_dirty(x, mask, garbage) if dirty else x for x in (vp, ret, val)]
         leaf = args[0].clone().requires_grad_()
-        loss, frac = compute_value_loss(leaf, args[1], args[2], mask, 0.2, mode, norm_length=5)
+        loss, frac = compute_value_loss(leaf, args[1], args[2], mask, 0.2, mode, **agg_extra(mask))
         loss.backward()
         out.append((loss.detach(), frac, leaf.grad))
     for a, b in zip(*out):
@@ -95,7 +95,7 @@ def test_entropy_loss(mode, garbage, seed):
     for dirty in (False, True):
         x = torch.where(mask[..., None], logits, garbage) if dirty else logits
         leaf = x.clone().requires_grad_()
-        loss = compute_entropy_loss(leaf, mask, mode, norm_length=4)
+        loss = compute_entropy_loss(leaf, mask, mode, **agg_extra(mask))
         loss.backward()
         out.append((loss.detach(), leaf.grad))
     for a, b in zip(*out):

@@ -20,7 +20,7 @@ from rlmath import (
     register_policy_loss,
 )
 
-from .helpers import LOSS_KWARGS, MODES, policy_batch, ref_agg
+from .helpers import LOSS_KWARGS, MODES, agg_extra, policy_batch, ref_agg
 from .reference import REFERENCES, ref_covariance, ref_gspo_sequence, ref_kimi15_sequence_loss
 
 VERL_NAMES = {
@@ -33,7 +33,7 @@ NAMES = list_policy_losses()
 def _run(name, old, logp, adv, mask, mode, weights=None, **kw):
     leaf = logp.clone().requires_grad_()
     loss, metrics = get_policy_loss(name)(
-        old, leaf, adv, mask, loss_agg_mode=mode, norm_length=mask.shape[1],
+        old, leaf, adv, mask, loss_agg_mode=mode, **agg_extra(mask),
         rollout_is_weights=weights, **kw,
     )  # fmt: skip
     loss.backward()
@@ -592,3 +592,24 @@ def test_options_match_the_reference(name, kw, mode):
     want, want_grad = _reference(name, old, logp, adv, mask, mode, **kw)
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(0, 6), (3, 0)])
+def test_empty_batch_gives_zero(name, shape):
+    """An empty micro-batch (B = 0 on a rank, or T = 0) gives a loss of 0, a zero gradient
+    and finite 0-d metrics, in every mode."""
+    old = torch.zeros(shape, dtype=torch.float64)
+    adv = torch.zeros(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    kw = dict(LOSS_KWARGS[name])
+    if name in ("clip_cov", "kl_cov"):
+        kw["selection"] = torch.zeros(shape, dtype=torch.bool)
+    for mode in MODES:
+        leaf = old.clone().requires_grad_()
+        loss, metrics = get_policy_loss(name)(
+            old, leaf, adv, mask, loss_agg_mode=mode, **agg_extra(mask, 6), **kw
+        )
+        loss.backward()
+        assert loss.item() == 0.0 and leaf.grad.shape == shape, mode
+        assert all(v.dim() == 0 and torch.isfinite(v) for v in metrics.values()), mode

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rlmath import compute_positive_example_nll_loss
 
-from .helpers import MODES, policy_batch, ref_agg
+from .helpers import MODES, agg_extra, policy_batch, ref_agg
 from .test_dp_invariance import B, T, _simulate
 
 
@@ -46,8 +46,8 @@ def test_matches_reference(mode):
     _, log_prob, _, mask = policy_batch(7, 6, 3)
     positive = torch.tensor([1, 0, 1, 1, 0, 1, 1], dtype=torch.int64)
     leaf = log_prob.clone().requires_grad_()
-    loss, _ = compute_positive_example_nll_loss(leaf, mask, positive, loss_agg_mode=mode,
-                                                norm_length=6)  # fmt: skip
+    extra = agg_extra(mask & positive.bool()[:, None])
+    loss, _ = compute_positive_example_nll_loss(leaf, mask, positive, loss_agg_mode=mode, **extra)
     loss.backward()
     ref_leaf = log_prob.clone().requires_grad_()
     want = _reference(ref_leaf, mask, positive.bool(), mode)
@@ -57,7 +57,7 @@ def test_matches_reference(mode):
     # A per-token ``positive`` equal to the per-row flags gives the same loss.
     per_token = positive[:, None].expand(-1, 6)
     same, _ = compute_positive_example_nll_loss(log_prob, mask, per_token, loss_agg_mode=mode,
-                                                norm_length=6)  # fmt: skip
+                                                **extra)  # fmt: skip
     torch.testing.assert_close(same, want.detach(), rtol=1e-12, atol=1e-12)
 
 
@@ -92,7 +92,7 @@ def test_masked_values_never_leak(garbage, mode, seed):
     for x in (log_prob, dirty):
         leaf = x.clone().requires_grad_()
         loss, m = compute_positive_example_nll_loss(leaf, mask, positive, loss_agg_mode=mode,
-                                                    norm_length=5)  # fmt: skip
+                                                    **agg_extra(mask & positive[:, None]))  # fmt: skip
         loss.backward()
         out.append((loss, leaf.grad, m))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

@@ -7,7 +7,7 @@ import torch
 
 from rlmath import compute_value_loss
 
-from .helpers import MODES, ragged_mask, ref_agg
+from .helpers import MODES, agg_extra, ragged_mask, ref_agg
 
 
 def _ref(vp, ret, val, mask, c, mode):
@@ -35,7 +35,7 @@ def test_matches_reference(mode, c):
     mask = ragged_mask(5, 6, gen)
     vp, ret, val = (torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3))
     a = vp.clone().requires_grad_()
-    loss, frac = compute_value_loss(a, ret, val, mask, c, mode, norm_length=6)
+    loss, frac = compute_value_loss(a, ret, val, mask, c, mode, **agg_extra(mask))
     loss.backward()
     b = vp.clone().requires_grad_()
     want, want_frac = _ref(b, ret, val, mask, c, mode)

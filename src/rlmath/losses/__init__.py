@@ -15,6 +15,7 @@ from rlmath.losses.aggregation import (
     LOSS_AGG_MODES,
     agg_loss,
     global_batch_info,
+    prompt_batch_info,
 )
 from rlmath.losses.cispo import (
     compute_policy_loss_cispo,
@@ -172,6 +173,7 @@ __all__ = [
     "masked_quantile",
     "off_policy_sequence_mask",
     "ppo_clip_regions",
+    "prompt_batch_info",
     "register_policy_loss",
     "rollout_correction",
     "rollout_prob_diff_filter",
