@@ -247,3 +247,28 @@ def test_soft_overlong_punishment_is_trls():
     )
     want = trl_fn([[1] * n for n in lengths])
     assert_close(out.token_level_rewards.sum(-1), torch.tensor(want), rtol=0, atol=1e-7)
+
+
+def test_compat_trl_names_are_trls():
+    from rlmath.compat import trl as ct
+
+    log_prob, _, adv, mask, ent = _batch(7)
+    fake = _trainer()
+    for level in (0.0, 0.5, 0.8):
+        assert torch.equal(
+            ct.get_high_entropy_mask(ent, mask.long(), level),
+            fake.get_high_entropy_mask(ent, mask.long(), level),
+        )
+    lengths = [[1] * n for n in (3, 12, 15, 16, 25)]
+    assert ct.get_soft_overlong_punishment(16, 5)(lengths) == pytest.approx(
+        trl_rewards.get_soft_overlong_punishment(16, 5)(lengths), abs=1e-15
+    )
+    if HAS_OPSM:
+        sampling = log_prob + 0.3
+        for threshold in (0.1, 0.3, 0.5):
+            assert torch.equal(
+                ct.get_off_policy_mask(adv[:, None], log_prob, sampling, mask.long(), threshold),
+                GRPOTrainer.get_off_policy_mask(
+                    adv[:, None], log_prob, sampling, mask.long(), threshold
+                ),  # fmt: skip
+            )
