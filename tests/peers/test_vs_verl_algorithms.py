@@ -132,3 +132,16 @@ def verl_cfg_overlong(length, factor):
     from types import SimpleNamespace
 
     return SimpleNamespace(enable=True, len=length, penalty_factor=factor, log=False)
+
+
+def test_chi2_seq_fully_masked_rows_documented_difference():
+    # docs/design.md "Losses": a fully masked row is not a sequence in rlmath; verl's
+    # chi2_seq averages exp(2·0) − 1 = 0 over it too, pulling the mean towards 0.
+    old, rollout, _, mask = _inputs(4, spread=0.3)
+    mask[2] = False
+    theirs = verl_corr.compute_offpolicy_metrics(old, rollout, mask.float())["chi2_seq"]
+    ours = rlmath.rollout_correction(old, rollout, mask).metrics["chi2_seq"].item()
+    live = mask.any(-1)
+    seq = ((old - rollout) * mask).sum(-1)[live]
+    assert ours == pytest.approx((2 * seq).exp().mean().item() - 1, rel=1e-5)
+    assert theirs == pytest.approx(ours * live.sum().item() / mask.shape[0], rel=1e-5)
