@@ -39,7 +39,7 @@ def _calls(device):
             # Agent steps: the rows of a group alternate between two trajectories.
             traj = index * 2 + torch.arange(index.numel(), device=device) % 2
             step = torch.arange(index.numel(), device=device).flip(0)
-            yield name, lambda fn=fn: fn(rewards, mask, index, traj, step, step % 3)
+            yield name, lambda fn=fn, t=traj, s=step: fn(rewards, mask, index, t, s, s % 3)
         else:
             yield name, lambda fn=fn: fn(rewards, mask, index)
             yield f"{name} (float ids)", lambda fn=fn: fn(rewards, mask, float_index)

@@ -14,7 +14,9 @@ runs the features the installed TRL has and skips the others:
   ↔ ``off_policy_sequence_mask``;
 * adaptive entropy control (``use_adaptive_entropy``, TRL >= 1.8)
   ↔ ``AdaptiveEntropyController``;
-* ``trl.rewards.get_soft_overlong_punishment`` ↔ ``soft_overlong_punishment``.
+
+(``trl.rewards.get_soft_overlong_punishment`` is compared in
+``test_vs_trl_rewards.py``, which does not need ``datasets``.)
 
 Compared against TRL 0.24.0 (``.venv-peers``) and TRL 1.16.0.
 """
@@ -33,7 +35,6 @@ import torch
 from tests.peers.peer_helpers import SKIP_TRL, assert_close, random_mask
 
 trl = pytest.importorskip("trl", reason=SKIP_TRL)
-trl_rewards = pytest.importorskip("trl.rewards", reason=SKIP_TRL)
 pytest.importorskip("datasets", reason="trl.trainer.grpo_trainer imports datasets")
 
 
@@ -237,18 +238,6 @@ def test_adaptive_entropy_controller_is_trls():
         assert fake._last_world_entropy == pytest.approx(ctl.last_entropy), step
 
 
-def test_soft_overlong_punishment_is_trls():
-    trl_fn = trl_rewards.get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)
-    lengths = [1, 10, 14, 15, 17, 20, 21, 30]
-    t = max(lengths)
-    mask = torch.arange(t) < torch.tensor(lengths)[:, None]
-    out = rlmath.soft_overlong_punishment(
-        torch.zeros(len(lengths), t), mask, max_response_length=20, overlong_buffer_length=6
-    )
-    want = trl_fn([[1] * n for n in lengths])
-    assert_close(out.token_level_rewards.sum(-1), torch.tensor(want), rtol=0, atol=1e-7)
-
-
 def test_compat_trl_names_are_trls():
     from rlmath.compat import trl as ct
 
@@ -259,10 +248,6 @@ def test_compat_trl_names_are_trls():
             ct.get_high_entropy_mask(ent, mask.long(), level),
             fake.get_high_entropy_mask(ent, mask.long(), level),
         )
-    lengths = [[1] * n for n in (3, 12, 15, 16, 25)]
-    assert ct.get_soft_overlong_punishment(16, 5)(lengths) == pytest.approx(
-        trl_rewards.get_soft_overlong_punishment(16, 5)(lengths), abs=1e-15
-    )
     if HAS_OPSM:
         args = (adv[:, None], log_prob, log_prob + 0.3, mask.long())
         for threshold in (0.1, 0.3, 0.5):
