@@ -7,6 +7,7 @@ docs/design.md; each function's docstring states the shapes and dtypes.
 
 from rlmath import (
     advantages,
+    entropy_controllers,
     fused_head,
     kl,
     kl_controllers,
@@ -14,11 +15,13 @@ from rlmath import (
     losses,
     masked,
     padding,
+    reward_shaping,
     rewards,
     schedules,
     tensor_utils,
 )
 from rlmath.advantages import *
+from rlmath.entropy_controllers import *
 from rlmath.fused_head import *
 from rlmath.kl import *
 from rlmath.kl_controllers import *
@@ -26,6 +29,7 @@ from rlmath.log_probs import *
 from rlmath.losses import *
 from rlmath.masked import *
 from rlmath.padding import *
+from rlmath.reward_shaping import *
 from rlmath.rewards import *
 from rlmath.schedules import *
 from rlmath.tensor_utils import *
@@ -39,7 +43,9 @@ __all__ += tensor_utils.__all__
 __all__ += padding.__all__
 __all__ += kl.__all__
 __all__ += kl_controllers.__all__
+__all__ += entropy_controllers.__all__
 __all__ += rewards.__all__
+__all__ += reward_shaping.__all__
 __all__ += schedules.__all__
 __all__ += log_probs.__all__
 __all__ += fused_head.__all__

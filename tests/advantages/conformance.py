@@ -79,6 +79,26 @@ def _sum_pi_squared(batch: Batch) -> torch.Tensor:
     return _bf16_exact(p * p + (1 - p) ** 2 * _row_uniform(batch, 1.9))
 
 
+def _position_in_group(batch: Batch) -> torch.Tensor:
+    """Each row's rank among the rows of its group, in batch order."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for g in batch.index.tolist():
+        ranks.append(seen.get(g, 0))
+        seen[g] = ranks[-1] + 1
+    return torch.tensor(ranks, dtype=torch.int64)
+
+
+def _trajectories(batch: Batch) -> torch.Tensor:
+    """Agent steps: the rows of a group alternate between two trajectories of that group."""
+    return batch.index * 2 + _position_in_group(batch) % 2
+
+
+def _steps(batch: Batch) -> torch.Tensor:
+    """Step numbers within each trajectory, in decreasing batch order (not the rows' order)."""
+    return 10 - _position_in_group(batch) // 2
+
+
 #: parameter name → builder of that input from the batch. Optional inputs that
 #: change the computation (importance weights, reward components) are built
 #: too, so that the checks cover them; scalars use non-default values.
@@ -93,6 +113,10 @@ INPUTS: dict[str, Callable[[Batch], Any]] = {
     "old_log_prob": _log_probs,
     "sum_pi_squared": _sum_pi_squared,
     "rollout_is_weights": lambda b: _bf16_exact(0.5 + 1.5 * _row_uniform(b, 0.8)),
+    "traj_index": _trajectories,
+    "step_index": _steps,
+    # Steps at the same depth of the two trajectories of a group share a state.
+    "anchor_state": lambda b: _steps(b) % 2,
     "reward_components": lambda b: _bf16_exact(
         torch.cat([_row_uniform(b, s, shape_t=False) for s in (0.2, 1.4, 2.6)], dim=1)
     ),

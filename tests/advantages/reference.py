@@ -23,15 +23,18 @@ from rlmath.masked import masked_whiten
 __all__ = [
     "compute_gae_advantage_return_reference",
     "gdpo_reference",
+    "gigpo_reference",
     "gpg_reference",
     "grpo_passk_reference",
     "grpo_reference",
+    "maxrl_reference",
     "opo_reference",
     "optimal_token_baseline_reference",
     "reinforce_plus_plus_baseline_reference",
     "reinforce_plus_plus_reference",
     "remax_reference",
     "rloo_reference",
+    "vapo_gae_reference",
 ]
 
 Rows = list[list[float]]
@@ -379,6 +382,136 @@ def compute_gae_advantage_return_reference(
     return advantages, returns
 
 
+def maxrl_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, index: Any, epsilon: float = 1e-6
+) -> Pair:
+    """MaxRL (Tajwar et al. 2026): (s − mean_g)/(mean_g + ε); flat groups and singletons 0."""
+    scores = _scores(rewards, mask)
+    adv = [0.0] * len(scores)
+    for members in _groups(index).values():
+        xs = [scores[i] for i in members]
+        if _flat(xs):
+            continue
+        mean = math.fsum(xs) / len(xs)
+        for i in members:
+            adv[i] = (scores[i] - mean) / (mean + epsilon)
+    return _outcome(adv, rewards, mask)
+
+
+def vapo_gae_reference(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float = 1.0,
+    *,
+    lam_actor: float | None = None,
+    length_adaptive_alpha: float | None = 0.05,
+    whiten: bool = True,
+) -> Pair:
+    """VAPO's decoupled GAE as two textbook backward loops per row (arXiv:2504.05118, eq. 7).
+
+    Returns from λ_critic = ``lam``; advantages from λ_actor = 1 − 1/max(α·l, 1)
+    with l the row's valid-token count (or a fixed ``lam_actor``), whitened.
+    """
+    dtype = result_dtype(rewards, values)
+    r_rows, v_rows, m_rows = _rows(rewards), _rows(values), _mask_rows(mask)
+
+    def gae_row(r: list[float], v: list[float], m: list[bool], lam_: float) -> list[float]:
+        out, running, next_value = [0.0] * len(r), 0.0, 0.0
+        for t in reversed(range(len(r))):
+            if m[t]:
+                running = r[t] + gamma * next_value - v[t] + gamma * lam_ * running
+                out[t] = running
+                next_value = v[t]
+        return out
+
+    adv, ret = [], []
+    for r, v, m in zip(r_rows, v_rows, m_rows):
+        if length_adaptive_alpha is not None:
+            lam_a = 1.0 - 1.0 / max(length_adaptive_alpha * sum(m), 1.0)
+        else:
+            lam_a = lam if lam_actor is None else lam_actor
+        adv.append(gae_row(r, v, m, lam_a))
+        critic = gae_row(r, v, m, lam)
+        ret.append([a + v_t if m_t else 0.0 for a, v_t, m_t in zip(critic, v, m)])
+    shape = rewards.shape
+    advantages = torch.tensor(adv, dtype=dtype).reshape(shape)
+    if whiten:
+        advantages = masked_whiten(advantages, mask != 0)
+    return advantages, torch.tensor(ret, dtype=dtype).reshape(shape)
+
+
+def gigpo_reference(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    traj_index: Any,
+    step_index: Any,
+    anchor_state: Any,
+    gamma: float = 0.95,
+    step_advantage_weight: float = 1.0,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = False,
+    *,
+    episode_statistics: str = "trajectory",
+) -> Pair:
+    """GiGPO (Feng et al. 2025, eqs. 3, 5–8) by loops over trajectories and groups."""
+    scores = _scores(rewards, mask)
+    groups, trajs = _keys(index), _keys(traj_index)
+    steps, anchors = _keys(step_index), _keys(anchor_state)
+    by_traj: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(trajs):
+        by_traj.setdefault(key, []).append(i)
+    step_return = [0.0] * len(scores)
+    episode_return = [0.0] * len(scores)
+    for members in by_traj.values():
+        ordered = sorted(members, key=lambda i: steps[i])
+        running = 0.0
+        for i in reversed(ordered):  # eq. 5: discounted return from each step
+            running = scores[i] + gamma * running
+            step_return[i] = running
+        total = math.fsum(scores[i] for i in members)  # R(τ) = Σ_t r_t
+        for i in members:
+            episode_return[i] = total
+
+    def relative(values: dict[int, float], member_groups: list[list[int]]) -> dict[int, float]:
+        out = dict.fromkeys(values, 0.0)
+        for members in member_groups:
+            xs = [values[i] for i in members]
+            if _flat(xs):
+                continue
+            mean, std = _mean_std(xs)
+            for i in members:
+                scale = std + epsilon if norm_adv_by_std_in_grpo else 1.0
+                out[i] = (values[i] - mean) / scale
+        return out
+
+    episode = [0.0] * len(scores)
+    by_group: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups):
+        by_group.setdefault(key, []).append(i)
+    if episode_statistics == "trajectory":
+        # One member per trajectory: its first row stands for it.
+        heads = {members[0]: members for members in by_traj.values()}
+        traj_groups: dict[Hashable, list[int]] = {}
+        for head in heads:
+            traj_groups.setdefault(groups[head], []).append(head)
+        rel = relative({h: episode_return[h] for h in heads}, list(traj_groups.values()))
+        for head, members in heads.items():
+            for i in members:
+                episode[i] = rel[head]
+    else:
+        rel = relative(dict(enumerate(episode_return)), list(by_group.values()))
+        episode = [rel[i] for i in range(len(scores))]
+    anchor_groups: dict[tuple[Hashable, Hashable], list[int]] = {}
+    for i in range(len(scores)):
+        anchor_groups.setdefault((groups[i], anchors[i]), []).append(i)
+    step = relative(dict(enumerate(step_return)), list(anchor_groups.values()))
+    adv = [episode[i] + step_advantage_weight * step[i] for i in range(len(scores))]
+    return _outcome(adv, rewards, mask)
+
+
 #: The fp64 oracle of every registered estimator, by registry name. The
 #: conformance matrix compares each registered estimator with its oracle on
 #: the shared batch, and fails for a registered name missing here.
@@ -395,6 +528,9 @@ ORACLES: dict[str, Callable[..., Pair]] = {
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_reference,
     "remax": remax_reference,
     "gdpo": gdpo_reference,
+    "gigpo": gigpo_reference,
+    "maxrl": maxrl_reference,
+    "vapo_gae": vapo_gae_reference,
     "optimal_token_baseline": optimal_token_baseline_reference,
     "tir_optimal_token_baseline": partial(optimal_token_baseline_reference, multi_turn=True),
 }

@@ -231,9 +231,13 @@ def test_estimators_are_bitwise_equal_with_and_without_the_sort(name, labels, mo
     dense = group_ids(index, index.numel())  # 0 … G−1: within B values
     index = dense if labels == "narrow" else dense - 1000
     fn = get_advantage_estimator(name)
-    fast = fn(rewards.float(), mask, index)
+    extra = {}
+    if name == "gigpo":  # agent steps: two trajectories per group, shifted labels as well
+        traj = index * 2 + torch.arange(index.numel()) % 2
+        extra = {"traj_index": traj, "step_index": traj.flip(0), "anchor_state": traj % 3}
+    fast = fn(rewards.float(), mask, index, **extra)
     monkeypatch.setattr(_device, "reads_host", lambda device: False)
-    sorted_ = fn(rewards.float(), mask, index)
+    sorted_ = fn(rewards.float(), mask, index, **extra)
     for a, b in zip(fast, sorted_, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 

@@ -35,6 +35,11 @@ def _calls(device):
         fn = rlmath.get_advantage_estimator(name)
         if "optimal_token_baseline" in name:
             yield name, lambda fn=fn: fn(rewards, mask, index, old_log_prob, sum_pi_squared)
+        elif name == "gigpo":
+            # Agent steps: the rows of a group alternate between two trajectories.
+            traj = index * 2 + torch.arange(index.numel(), device=device) % 2
+            step = torch.arange(index.numel(), device=device).flip(0)
+            yield name, lambda fn=fn, t=traj, s=step: fn(rewards, mask, index, t, s, s % 3)
         else:
             yield name, lambda fn=fn: fn(rewards, mask, index)
             yield f"{name} (float ids)", lambda fn=fn: fn(rewards, mask, float_index)

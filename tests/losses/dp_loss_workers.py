@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlmath import get_policy_loss, global_batch_info
+from rlmath import (
+    clip_cov_selection,
+    get_policy_loss,
+    global_batch_info,
+    kl_cov_selection,
+    prompt_batch_info,
+)
 
 from .helpers import LOSS_KWARGS, policy_batch
 
@@ -38,19 +44,38 @@ def dp_policy_worker(seed: int, cases: list[tuple[str, str]]):
     return [_one_case(seed, name, mode) for name, mode in cases]
 
 
+def fixed_selection(name: str, old, logp, adv, mask):
+    """Clip-Cov / KL-Cov select from batch statistics: the full batch's selection, fixed."""
+    if name not in ("clip_cov", "kl_cov"):
+        return None
+    select = clip_cov_selection if name == "clip_cov" else kl_cov_selection
+    gen = torch.Generator().manual_seed(0)
+    return select(old, logp, adv, mask, generator=gen, **LOSS_KWARGS[name])
+
+
 def _one_case(seed: int, name: str, mode: str):
     world, rank = dist.get_world_size(), dist.get_rank()
     old, logp, adv, mask = global_batch(seed)
     leaf = logp.clone().requires_grad_()
     mine = micro_batches(world, rank)
     info = global_batch_info([mask[rows] for rows in mine], group=dist.group.WORLD)
+    # prompt-mean: prompt k is rows 2k, 2k + 1, which may sit on two ranks: dense ids.
+    own = torch.tensor([r for rows in mine for r in rows])
+    prompts = prompt_batch_info(
+        mask[own], own // 2, group=dist.group.WORLD, num_prompt_ids=B // 2 + 1
+    )
+    prompt_tokens = dict(zip(own.tolist(), prompts["prompt_num_tokens"]))
+    selection = fixed_selection(name, old, logp, adv, mask)
     fn = get_policy_loss(name)
     total = torch.zeros((), dtype=torch.float64)
     for rows in mine:
         idx = torch.tensor(rows)
+        extra = {} if selection is None else {"selection": selection[idx]}
         loss, _ = fn(
             old[idx], leaf[idx], adv[idx], mask[idx],
-            loss_agg_mode=mode, norm_length=T, **info, **LOSS_KWARGS[name],
+            loss_agg_mode=mode, norm_length=T, **info, **LOSS_KWARGS[name], **extra,
+            prompt_num_tokens=torch.stack([prompt_tokens[r] for r in rows]),
+            global_num_prompts=prompts["global_num_prompts"],
         )  # fmt: skip
         loss.backward()
         total = total + loss.detach()

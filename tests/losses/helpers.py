@@ -14,7 +14,32 @@ MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
+    "prompt-mean",
 )
+
+
+def prompt_of(row: int) -> int:
+    """The prompt of a test batch's row: rows 2k and 2k + 1 answer prompt k."""
+    return row // 2
+
+
+def prompt_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt token count (valid tokens of the rows of its prompt), by a loop."""
+    b = mask.shape[0]
+    per_prompt: dict[int, float] = {}
+    for i in range(b):
+        per_prompt[prompt_of(i)] = per_prompt.get(prompt_of(i), 0.0) + float(mask[i].sum())
+    return torch.tensor([per_prompt[prompt_of(i)] for i in range(b)], dtype=torch.float64)
+
+
+def agg_extra(mask: torch.Tensor, norm_length: float | None = None) -> dict:
+    """The aggregation keywords every mode of the tests needs: ``norm_length`` (the padded
+    width unless given) and ``prompt_num_tokens`` (for ``prompt-mean``)."""
+    return {
+        "norm_length": mask.shape[-1] if norm_length is None else norm_length,
+        "prompt_num_tokens": prompt_tokens(mask).to(mask.device),
+    }
+
 
 # Every registered policy loss with the keyword scalars the tests use
 # (dro needs dro_beta; clip/kl-cov get ratios that select several tokens).
@@ -34,6 +59,11 @@ LOSS_KWARGS: dict[str, dict] = {
     "dro": {"dro_beta": 0.3},
     "reinforce": {},
     "vespo": {},
+    "two_sided_clip": {"delta": 1.5},  # δ low enough that the random ratios reach it
+    "luspo": {},
+    "topr": {},
+    "kimi15": {},
+    "ipo": {"ipo_threshold": 0.05, "kl_tau": 0.01},  # masks a share of the random tokens
 }
 
 
@@ -75,11 +105,22 @@ def policy_batch(
 def ref_agg(loss: dict, mask: torch.Tensor, mode: str, norm_length: float | None = None):
     """fp64 reference of every aggregation mode.
 
-    ``loss[(i, t)]`` is a scalar tensor (autograd allowed) for each valid token.
+    ``loss[(i, t)]`` is a scalar tensor (autograd allowed) for each valid token;
+    ``prompt-mean`` groups the rows by :func:`prompt_of`.
     """
     b, t = mask.shape
     rows = [[j for j in range(t) if mask[i, j]] for i in range(b)]
     zero = torch.zeros((), dtype=torch.float64)
+    if mode == "prompt-mean":
+        prompts: dict[int, list[int]] = {}
+        for i in range(b):
+            prompts.setdefault(prompt_of(i), []).append(i)
+        means = []
+        for members in prompts.values():
+            cells = [(i, j) for i in members for j in rows[i]]
+            if cells:
+                means.append(sum((loss[c] for c in cells), zero) / len(cells))
+        return sum(means, zero) / len(means) if means else zero
     if mode == "token-sum":
         return sum((loss[(i, j)] for i in range(b) for j in rows[i]), zero)
     if mode == "token-mean":

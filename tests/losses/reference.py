@@ -231,6 +231,81 @@ def ref_vespo(old, lp, adv, mask, *, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambd
     return out
 
 
+def ref_two_sided_clip(old, lp, adv, mask, *, clip_ratio=0.2, delta=4.0, **_):
+    """INTELLECT-2 (§4.1): −min(min(r, δ)·A, clip(r, 1 − ε, 1 + ε)·A)."""
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        for t in row:
+            r, a = _ratio(lp[i, t], old[i, t]), adv[i, t]
+            capped = torch.clamp(r, max=delta)
+            out[(i, t)] = -torch.minimum(
+                capped * a, torch.clamp(r, 1 - clip_ratio, 1 + clip_ratio) * a
+            )
+    return out
+
+
+def ref_topr(
+    old, lp, adv, mask, *, ratio_level="sequence", positive_weight=1.0, negative_weight=1.0, **_
+):
+    """TOPR (eq. 8): −A·log π for A ≥ 0, −[π/μ]_0^1·A·log π for A < 0 (trajectory ratio)."""
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        seq = sum(float(_log_ratio(lp[i, t], old[i, t]).detach()) for t in row)
+        for t in row:
+            a = adv[i, t]
+            if a >= 0:
+                out[(i, t)] = -positive_weight * a * lp[i, t]
+                continue
+            token = float(_log_ratio(lp[i, t], old[i, t]).detach())
+            log_rho = seq if ratio_level == "sequence" else token
+            out[(i, t)] = -negative_weight * min(math.exp(min(log_rho, 0.0)), 1.0) * a * lp[i, t]
+    return out
+
+
+def ref_kimi15(old, lp, adv, mask, *, tau=0.1, penalty_level="token", **_):
+    """Kimi k1.5 (eq. 3): −A·log π plus (τ/2)·(log-ratio)², per token or of the sequence sum S.
+
+    The sequence form spreads (τ/2)·S² over the tokens as (τ/2)·S·log r_t, each token
+    carrying the gradient τ·S·∇log r_t (the derivative of (τ/2)·S² in log π_t).
+    """
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        s = sum((lp[i, t] - old[i, t]).detach() for t in row)
+        for t in row:
+            lr = lp[i, t] - old[i, t]
+            if penalty_level == "token":
+                pen = 0.5 * tau * lr**2
+            else:
+                pen = 0.5 * tau * s * lr + 0.5 * tau * s * (lr - lr.detach())
+            out[(i, t)] = -adv[i, t] * lp[i, t] + pen
+    return out
+
+
+def ref_kimi15_sequence_loss(old, lp, adv, mask, *, tau=0.1):
+    """Kimi k1.5's per-sample loss −Σ_t A·log π_t + (τ/2)·(Σ_t log r_t)², on the first token."""
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        if not row:
+            continue
+        s = sum(lp[i, t] - old[i, t] for t in row)
+        for t in row:
+            out[(i, t)] = -adv[i, t] * lp[i, t]
+        out[(i, row[0])] = out[(i, row[0])] + 0.5 * tau * s**2
+    return out
+
+
+def ref_ipo(old, lp, adv, mask, *, ipo_threshold=0.1, adv_tau=1.0, kl_tau=1e-3, **_):
+    """prime-rl's ipo: −[|π − π_old| ≤ thr]·adv_tau·A·r + kl_tau·(log r)²."""
+    out = {}
+    for i, row in enumerate(_rows(mask)):
+        for t in row:
+            p, p_old = math.exp(float(lp[i, t].detach())), math.exp(float(old[i, t]))
+            keep = float(abs(p - p_old) <= ipo_threshold)
+            r = _ratio(lp[i, t], old[i, t])
+            out[(i, t)] = -keep * adv_tau * adv[i, t] * r + kl_tau * (lp[i, t] - old[i, t]) ** 2
+    return out
+
+
 REFERENCES = {
     "vanilla": ref_vanilla,
     "gspo": ref_gspo_token,
@@ -247,4 +322,10 @@ REFERENCES = {
     "clip_cov": ref_clip_cov,
     "kl_cov": ref_kl_cov,
     "vespo": ref_vespo,
+    "two_sided_clip": ref_two_sided_clip,
+    # LUSPO's per-token loss is GSPO's; its length weighting is its aggregation.
+    "luspo": ref_gspo_token,
+    "topr": ref_topr,
+    "kimi15": ref_kimi15,
+    "ipo": ref_ipo,
 }

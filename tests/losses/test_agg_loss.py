@@ -16,9 +16,18 @@ from rlmath import (
     get_policy_loss,
     global_batch_info,
     list_policy_losses,
+    prompt_batch_info,
 )
 
-from .helpers import LOSS_KWARGS, MODES, policy_batch, ragged_mask, ref_agg
+from .helpers import (
+    LOSS_KWARGS,
+    MODES,
+    agg_extra,
+    policy_batch,
+    prompt_of,
+    ragged_mask,
+    ref_agg,
+)
 
 
 def _case(seed: int, b: int = 5, t: int = 7):
@@ -37,7 +46,7 @@ def test_modes_are_the_documented_ones():
 def test_matches_reference_and_gradient(mode, seed):
     loss, mask = _case(seed)
     x = loss.clone().requires_grad_()
-    got = agg_loss(x, mask, loss_agg_mode=mode, norm_length=9)
+    got = agg_loss(x, mask, loss_agg_mode=mode, **agg_extra(mask, 9))
     got.backward()
     y = loss.clone().requires_grad_()
     want = ref_agg({(i, j): y[i, j] for i in range(5) for j in range(7)}, mask, mode, 9)
@@ -74,7 +83,7 @@ def test_norm_length_is_a_constant_not_the_padded_width():
 def test_empty_batch_gives_zero_with_zero_gradient(mode):
     x = torch.randn(3, 4, dtype=torch.float32, requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
-    out = agg_loss(x, mask, loss_agg_mode=mode, norm_length=4)
+    out = agg_loss(x, mask, loss_agg_mode=mode, **agg_extra(mask, 4))
     out.backward()
     assert out.item() == 0.0 and (x.grad == 0).all()
 
@@ -83,17 +92,19 @@ def test_empty_batch_gives_zero_with_zero_gradient(mode):
 def test_global_counts_and_dp_size_scale(mode):
     loss, mask = _case(4)
     info = global_batch_info(mask)
-    full = agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7)
+    prompts = prompt_batch_info(mask, [prompt_of(i) for i in range(mask.shape[0])])
+    full = agg_loss(loss, mask, loss_agg_mode=mode, **agg_extra(mask, 7))
     # With the batch's own counts and dp_size = 3, the loss is 3x the plain one.
-    scaled = agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7, dp_size=3, **{
+    scaled = agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7, dp_size=3, **prompts, **{
         k: v for k, v in info.items() if k != "dp_size"
     })  # fmt: skip
     torch.testing.assert_close(scaled, 3 * full, rtol=1e-12, atol=1e-12)
     # Python-number counts work the same way as tensors.
     plain = agg_loss(
-        loss, mask, loss_agg_mode=mode, norm_length=7,
+        loss, mask, loss_agg_mode=mode, **agg_extra(mask, 7),
         global_num_tokens=float(info["global_num_tokens"]),
         global_num_seqs=int(info["global_num_seqs"]),
+        global_num_prompts=int(prompts["global_num_prompts"]),
     )  # fmt: skip
     torch.testing.assert_close(plain, full, rtol=1e-12, atol=1e-12)
 
@@ -105,8 +116,8 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, mode):
     mask = ragged_mask(16, 64, gen)
     loss = torch.randn(16, 64, generator=gen, dtype=torch.float64) + 3
     low = loss.to(dtype)
-    got = agg_loss(low, mask, loss_agg_mode=mode, norm_length=64)
-    want = agg_loss(low.to(torch.float64), mask, loss_agg_mode=mode, norm_length=64)
+    got = agg_loss(low, mask, loss_agg_mode=mode, **agg_extra(mask))
+    want = agg_loss(low.to(torch.float64), mask, loss_agg_mode=mode, **agg_extra(mask))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
 
@@ -131,8 +142,8 @@ def test_values_under_mask_never_leak(garbage, mode, seed):
     a = loss.clone().requires_grad_()
     b = dirty.clone().requires_grad_()
     ra, rb = (
-        agg_loss(a, mask, loss_agg_mode=mode, norm_length=5),
-        agg_loss(b, mask, loss_agg_mode=mode, norm_length=5),
+        agg_loss(a, mask, loss_agg_mode=mode, **agg_extra(mask)),
+        agg_loss(b, mask, loss_agg_mode=mode, **agg_extra(mask)),
     )
     ra.backward()
     rb.backward()
@@ -198,7 +209,7 @@ def test_bad_input():
         global_batch_info(m, group=object())
 
 
-COUNT_ARGS = ("global_num_tokens", "global_num_seqs")
+COUNT_ARGS = ("global_num_tokens", "global_num_seqs", "global_num_prompts")
 BAD_NUMBERS = [float("inf"), float("-inf"), float("nan"), 0, 0.0, -1, -2.5, np.float32("inf")]
 
 
@@ -209,7 +220,7 @@ def test_non_finite_or_non_positive_count_raises(arg, bad, mode):
     """A count of inf made the loss (and its gradient) exactly 0; now every mode refuses it."""
     loss, mask = _case(0)
     with pytest.raises(ValueError, match=rf"{arg} must be (> 0|finite)"):
-        agg_loss(loss, mask, loss_agg_mode=mode, norm_length=7, **{arg: bad})
+        agg_loss(loss, mask, loss_agg_mode=mode, **agg_extra(mask, 7), **{arg: bad})
 
 
 @pytest.mark.parametrize("arg", COUNT_ARGS)
@@ -242,3 +253,80 @@ def test_bad_tensor_count_gives_nan_without_a_host_read(mode):
     assert good == agg_loss(loss, mask, loss_agg_mode=mode, **{arg: 4.0})
     with pytest.raises(TypeError, match=arg):
         agg_loss(loss, mask, loss_agg_mode=mode, **{arg: torch.tensor(True)})
+
+
+def test_prompt_mean_by_hand():
+    # Prompt A: rows 0, 1 with tokens (1, 2) and (3): token mean (1 + 2 + 3)/3 = 2.
+    # Prompt B: row 2 with tokens (5, 7): mean 6. Prompt C: a fully masked row, no prompt.
+    # prompt-mean = (2 + 6)/2 = 4, where token-mean is 18/5 = 3.6.
+    loss = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [5.0, 7.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]]).bool()
+    info = prompt_batch_info(mask, ["A", "A", "B", "C"])
+    assert info["prompt_num_tokens"].tolist() == [3.0, 3.0, 2.0, 0.0]
+    assert info["global_num_prompts"].item() == 2.0
+    x = loss.clone().requires_grad_()
+    out = agg_loss(x, mask, loss_agg_mode="prompt-mean", **info)
+    out.backward()
+    assert out.item() == pytest.approx(4.0)
+    assert agg_loss(loss, mask, loss_agg_mode="token-mean").item() == pytest.approx(3.6)
+    # Each token of prompt A weighs 1/(2·3), of prompt B 1/(2·2).
+    want = torch.tensor([[1 / 6, 1 / 6, 0], [1 / 6, 0, 0], [1 / 4, 1 / 4, 0], [0, 0, 0]])
+    torch.testing.assert_close(x.grad, want)
+    # Without global_num_prompts the local count Σ_i n_i/N_p = 3/3 + 2/2 = 2 is used.
+    local = agg_loss(
+        loss, mask, loss_agg_mode="prompt-mean", prompt_num_tokens=info["prompt_num_tokens"]
+    )
+    assert local.item() == pytest.approx(4.0)
+
+
+def _prompt_info_worker():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    # Rank 0 holds rows 0–2, rank 1 rows 3–5; prompt 1 (rows 2 and 3) spans both ranks.
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [0, 0], [1, 1]]).bool()
+    ids = torch.tensor([0, 0, 1, 1, 2, 3])
+    rows = slice(0, 3) if rank == 0 else slice(3, 6)
+    dense = prompt_batch_info(mask[rows], ids[rows], group=dist.group.WORLD, num_prompt_ids=4)
+    whole = [[0, 0, 1], [2, 3, 3]][rank]  # whole prompts per rank (other ids)
+    local = prompt_batch_info(mask[rows], whole, group=dist.group.WORLD)
+    return dense, local
+
+
+def test_prompt_batch_info_over_two_gloo_ranks():
+    from rlmath.distributed import run_distributed
+
+    (d0, l0), (d1, l1) = run_distributed(_prompt_info_worker, 2)
+    # Dense ids: prompt 1 counts 2 + 1 tokens across the ranks; prompt 2 has none: 3 prompts.
+    assert torch.cat([d0["prompt_num_tokens"], d1["prompt_num_tokens"]]).tolist() == [
+        3.0, 3.0, 3.0, 3.0, 0.0, 2.0
+    ]  # fmt: skip
+    assert d0["global_num_prompts"].item() == d1["global_num_prompts"].item() == 3.0
+    # Whole prompts per rank: rank 0 has prompts {0: 3 tokens, 1: 2}, rank 1 {2: 1, 3: 2}.
+    assert l0["prompt_num_tokens"].tolist() == [3.0, 3.0, 2.0]
+    assert l1["prompt_num_tokens"].tolist() == [1.0, 2.0, 2.0]
+    assert l0["global_num_prompts"].item() == l1["global_num_prompts"].item() == 4.0
+
+
+def test_prompt_mean_bad_input():
+    loss, mask = _case(5)
+    with pytest.raises(ValueError, match="prompt_num_tokens is required"):
+        agg_loss(loss, mask, loss_agg_mode="prompt-mean")
+    with pytest.raises(ValueError, match="prompt_num_tokens must have one count per row"):
+        agg_loss(loss, mask, loss_agg_mode="prompt-mean", prompt_num_tokens=torch.ones(3))
+    with pytest.raises(TypeError, match="prompt_num_tokens"):
+        agg_loss(
+            loss,
+            mask,
+            loss_agg_mode="prompt-mean",
+            prompt_num_tokens=torch.ones(5, dtype=torch.bool),
+        )
+    with pytest.raises(ValueError, match="global_num_prompts is required"):
+        agg_loss(loss, mask, loss_agg_mode="prompt-mean", prompt_num_tokens=torch.ones(5), dp_size=2,
+                 global_num_tokens=3, global_num_seqs=3)  # fmt: skip
+    with pytest.raises(ValueError, match="num_prompt_ids"):
+        prompt_batch_info(mask, torch.zeros(5, dtype=torch.long), num_prompt_ids=0)
+    with pytest.raises(ValueError, match="index"):
+        prompt_batch_info(mask, torch.zeros(5), num_prompt_ids=2)
+    with pytest.raises(ValueError, match="index"):
+        prompt_batch_info(mask, [0, 1])

@@ -31,12 +31,13 @@ from rlmath import (
     global_batch_info,
     kl_cov_selection,
     list_policy_losses,
+    prompt_batch_info,
 )
 from rlmath.distributed import run_distributed
 
-from .dp_loss_workers import dp_policy_worker
+from .dp_loss_workers import dp_policy_worker, fixed_selection
 from .dp_loss_workers import global_batch as dist_global_batch
-from .helpers import LOSS_KWARGS, MODES, policy_batch
+from .helpers import LOSS_KWARGS, MODES, agg_extra, policy_batch
 
 RANKS, MICRO = 4, 2
 B, T = 20, 9
@@ -61,14 +62,18 @@ def _width(mask: torch.Tensor, extra: int) -> int:
 
 def _simulate(loss_fn, tensors: dict, leaf_name: str, seed: int):
     """Full-batch gradient vs DP-simulated gradient of ``loss_fn(**micro_tensors, **agg_kwargs)``."""
+    mask = tensors["mask"]
+    # prompt-mean: rows 2k and 2k + 1 answer prompt k; the shuffled partition below
+    # spreads a prompt's rows over ranks and micro-batches, so the per-prompt token
+    # counts and the prompt count must be those of the whole step.
+    prompts = prompt_batch_info(mask, (torch.arange(mask.shape[0]) // 2).tolist())
     full_leaf = tensors[leaf_name].clone().requires_grad_()
     full = dict(tensors, **{leaf_name: full_leaf})
-    loss_full = loss_fn(full, dict(norm_length=T))
+    loss_full = loss_fn(full, dict(norm_length=T, prompt_num_tokens=prompts["prompt_num_tokens"]))
     loss_full.backward()
 
     dp_leaf = tensors[leaf_name].clone().requires_grad_()
     dp = dict(tensors, **{leaf_name: dp_leaf})
-    mask = tensors["mask"]
     info = global_batch_info(mask)
     total = torch.zeros((), dtype=torch.float64)
     for k, rows in enumerate(_partition(seed)):
@@ -81,6 +86,8 @@ def _simulate(loss_fn, tensors: dict, leaf_name: str, seed: int):
                 dp_size=RANKS,
                 global_num_tokens=info["global_num_tokens"],
                 global_num_seqs=info["global_num_seqs"],
+                prompt_num_tokens=prompts["prompt_num_tokens"][rows],
+                global_num_prompts=prompts["global_num_prompts"],
             ),
         )
         loss.backward()  # gradient accumulation: grads add up across micro-batches
@@ -175,21 +182,35 @@ REAL_CASES = [
 ]
 
 
-def test_real_gloo_ranks_match_single_process():
-    """4 real processes, global counts all-reduced by global_batch_info over the group."""
-    seed = 11
-    results = run_distributed(dp_policy_worker, 4, seed, REAL_CASES)
+def _check_real_ranks(results, seed, cases, world):
     old, logp, adv, mask = dist_global_batch(seed)
-    for k, (name, mode) in enumerate(REAL_CASES):
+    for k, (name, mode) in enumerate(cases):
         leaf = logp.clone().requires_grad_()
+        selection = fixed_selection(name, old, logp, adv, mask)
+        extra = {} if selection is None else {"selection": selection}
         loss, _ = get_policy_loss(name)(
-            old, leaf, adv, mask, loss_agg_mode=mode, norm_length=logp.shape[1],
-            **LOSS_KWARGS[name],
+            old, leaf, adv, mask, loss_agg_mode=mode, **agg_extra(mask), **LOSS_KWARGS[name],
+            **extra,
         )  # fmt: skip
         loss.backward()
         for rank_results in results:
             res = rank_results[k]
-            assert res["dp_size"] == 4
+            assert res["dp_size"] == world
             assert res["tokens"].item() == mask.sum().item()
             torch.testing.assert_close(res["loss"], loss.detach(), **TOL)
             torch.testing.assert_close(res["grad"], leaf.grad, **TOL)
+
+
+def test_real_gloo_ranks_match_single_process():
+    """4 real processes, global counts all-reduced by global_batch_info over the group."""
+    results = run_distributed(dp_policy_worker, 4, 11, REAL_CASES)
+    _check_real_ranks(results, 11, REAL_CASES, 4)
+
+
+def test_every_policy_loss_on_two_gloo_ranks():
+    """Every registered loss (each in one of the modes, prompt-mean included) on 2 real
+    ranks with uneven micro-batches equals one process on the whole batch (one spawn)."""
+    names = list_policy_losses()
+    cases = [(name, MODES[k % len(MODES)]) for k, name in enumerate(names)]
+    results = run_distributed(dp_policy_worker, 2, 12, cases)
+    _check_real_ranks(results, 12, cases, 2)

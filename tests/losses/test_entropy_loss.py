@@ -9,7 +9,7 @@ import torch
 
 from rlmath import compute_entropy_loss
 
-from .helpers import MODES, ragged_mask, ref_agg
+from .helpers import MODES, agg_extra, ragged_mask, ref_agg
 
 
 def _ref_entropy(logits_row, temperature=1.0):
@@ -27,7 +27,7 @@ def test_matches_reference(mode, temperature):
     mask = ragged_mask(4, 5, gen)
     logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64) * 2
     got = compute_entropy_loss(
-        logits, mask, loss_agg_mode=mode, temperature=temperature, norm_length=5
+        logits, mask, loss_agg_mode=mode, temperature=temperature, **agg_extra(mask)
     )[0]
     per = {
         (i, t): torch.tensor(_ref_entropy(logits[i, t], temperature), dtype=torch.float64)

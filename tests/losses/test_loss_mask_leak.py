@@ -15,7 +15,7 @@ from rlmath import (
     rollout_correction,
 )
 
-from .helpers import LOSS_KWARGS, MODES, ragged_mask
+from .helpers import LOSS_KWARGS, MODES, agg_extra, ragged_mask
 
 GARBAGE = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 100.0, -100.0])
 
@@ -59,7 +59,7 @@ def test_policy_losses(name, mode, garbage, which, seed, dtype, shape):
             kw["generator"] = torch.Generator().manual_seed(seed)
         loss, metrics = get_policy_loss(name)(
             inputs["old"], leaf, inputs["adv"], mask, loss_agg_mode=mode,
-            rollout_is_weights=inputs["w"], norm_length=shape[1], **kw,
+            rollout_is_weights=inputs["w"], **agg_extra(mask), **kw,
         )  # fmt: skip
         loss.backward()
         results.append((loss.detach(), metrics, leaf.grad))
@@ -80,7 +80,7 @@ def test_value_loss(mode, garbage, seed):
         args = [_dirty(x, mask, garbage) if dirty else x for x in (vp, ret, val)]
         leaf = args[0].clone().requires_grad_()
         loss, frac = compute_value_loss(
-            leaf, args[1], args[2], mask, cliprange_value=0.2, loss_agg_mode=mode, norm_length=5
+            leaf, args[1], args[2], mask, cliprange_value=0.2, loss_agg_mode=mode, **agg_extra(mask)
         )
         frac = frac["vf_clipfrac"]
         loss.backward()
@@ -98,7 +98,7 @@ def test_entropy_loss(mode, garbage, seed):
     for dirty in (False, True):
         x = torch.where(mask[..., None], logits, garbage) if dirty else logits
         leaf = x.clone().requires_grad_()
-        loss = compute_entropy_loss(leaf, mask, loss_agg_mode=mode, norm_length=4)[0]
+        loss = compute_entropy_loss(leaf, mask, loss_agg_mode=mode, **agg_extra(mask))[0]
         loss.backward()
         out.append((loss.detach(), leaf.grad))
     for a, b in zip(*out):
@@ -106,22 +106,22 @@ def test_entropy_loss(mode, garbage, seed):
 
 
 @given(
-    level=st.sampled_from(["token", "sequence", "geometric"]),
+    level=st.sampled_from(["token", "sequence", "geometric", "segment"]),
     mode=st.sampled_from(["truncate", "mask"]),
     garbage=GARBAGE,
     seed=st.integers(0, 10_000),
+    batch_normalize=st.booleans(),
 )
-def test_rollout_correction(level, mode, garbage, seed):
+def test_rollout_correction(level, mode, garbage, seed, batch_normalize):
     (old, _, _, _), mask = _batch(seed, 4, 5, torch.float64)
     rollout = (
         old
         + torch.randn(4, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         * 0.5
     )
-    a = rollout_correction(old, rollout, mask, level=level, mode=mode)
-    b = rollout_correction(
-        _dirty(old, mask, garbage), _dirty(rollout, mask, -garbage), mask, level=level, mode=mode
-    )
+    kw = {"level": level, "mode": mode, "batch_normalize": batch_normalize}
+    a = rollout_correction(old, rollout, mask, **kw)
+    b = rollout_correction(_dirty(old, mask, garbage), _dirty(rollout, mask, -garbage), mask, **kw)
     _assert_same(a.weights, b.weights)
     _assert_same(a.response_mask, b.response_mask)
     for k in a.metrics:

@@ -20,6 +20,7 @@ from rlmath import (
     global_batch_info,
     kl_cov_selection,
     list_policy_losses,
+    prompt_batch_info,
     rollout_correction,
 )
 
@@ -46,6 +47,7 @@ def test_the_guard_catches_syncs():
 def _calls(device):
     old, logp, adv, mask = (t.to(device) for t in policy_batch(4, 6, 1, dtype=torch.float32))
     info = global_batch_info(mask)
+    prompts = prompt_batch_info(mask, torch.arange(4, device=device) // 2)
     gen = torch.Generator(device=device).manual_seed(0)
     for name in list_policy_losses():
         kw = dict(LOSS_KWARGS[name])
@@ -56,13 +58,13 @@ def _calls(device):
                 old, logp.clone().requires_grad_(), adv, mask, loss_agg_mode=mode,
                 norm_length=6, dp_size=2, rollout_is_weights=torch.ones_like(old),
                 global_num_tokens=info["global_num_tokens"],
-                global_num_seqs=info["global_num_seqs"], **kw,
+                global_num_seqs=info["global_num_seqs"], **prompts, **kw,
             )[0].backward()  # fmt: skip
     yield lambda: clip_cov_selection(old, logp, adv, mask, clip_cov_ratio=0.3, generator=gen)
     yield lambda: kl_cov_selection(old, logp, adv, mask, kl_cov_ratio=0.3, generator=gen)
     yield lambda: kl_cov_selection(old, logp, adv, mask, kl_cov_ratio=0.3)
     for mode in MODES:
-        yield lambda mode=mode: agg_loss(logp, mask, loss_agg_mode=mode, norm_length=6)
+        yield lambda mode=mode: agg_loss(logp, mask, loss_agg_mode=mode, norm_length=6, **prompts)
         yield lambda mode=mode: compute_value_loss(
             logp.clone().requires_grad_(),
             adv,
@@ -71,17 +73,19 @@ def _calls(device):
             cliprange_value=0.2,
             loss_agg_mode=mode,
             norm_length=6,
+            **prompts,
         )[0].backward()
         yield lambda mode=mode: compute_entropy_loss(
             torch.randn(4, 6, 9, device=device, requires_grad=True),
             mask,
             loss_agg_mode=mode,
             norm_length=6,
+            **prompts,
         )[0].backward()
-    for level in ("token", "sequence", "geometric"):
+    for level in ("token", "sequence", "geometric", "segment"):
         for mode in ("truncate", "mask"):
             yield lambda level=level, mode=mode: rollout_correction(
-                old, logp, mask, level=level, mode=mode
+                old, logp, mask, level=level, mode=mode, batch_normalize=True
             )
     yield lambda: global_batch_info([mask, mask[:2]])
 

@@ -19,8 +19,8 @@ from rlmath import (
     register_policy_loss,
 )
 
-from .helpers import LOSS_KWARGS, MODES, policy_batch, ref_agg
-from .reference import REFERENCES, ref_covariance, ref_gspo_sequence
+from .helpers import LOSS_KWARGS, MODES, agg_extra, policy_batch, ref_agg
+from .reference import REFERENCES, ref_covariance, ref_gspo_sequence, ref_kimi15_sequence_loss
 
 VERL_NAMES = {
     "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo",
@@ -32,7 +32,7 @@ NAMES = list_policy_losses()
 def _run(name, old, logp, adv, mask, mode, weights=None, **kw):
     leaf = logp.clone().requires_grad_()
     loss, metrics = get_policy_loss(name)(
-        old, leaf, adv, mask, loss_agg_mode=mode, norm_length=mask.shape[1],
+        old, leaf, adv, mask, loss_agg_mode=mode, **agg_extra(mask),
         rollout_is_weights=weights, **kw,
     )  # fmt: skip
     loss.backward()
@@ -242,7 +242,7 @@ def test_huge_log_ratio_with_zero_advantage(name):
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         assert all(torch.isfinite(v) for v in m.values())
         assert m["log_ratio_clamped_frac"].item() == pytest.approx(4 / 6)
-        if name not in ("dro", "kl_cov"):  # those two add a log-ratio penalty that does not need A
+        if name not in ("dro", "kl_cov", "kimi15", "ipo"):  # log-ratio penalties need no A
             assert loss.item() == 0.0
             assert (grad == 0).all()
 
@@ -391,6 +391,17 @@ BAD = [
     ("dppo_kl", {"clip_ratio": -0.5}, ValueError, "clip_ratio"),
     ("geo_mean", {"clip_ratio_high": -0.5}, ValueError, "clip_ratio_high"),
     ("clip_cov", {"selection": torch.ones(2, 3)}, TypeError, "selection"),
+    ("two_sided_clip", {"delta": 1.2}, ValueError, "delta"),
+    ("two_sided_clip", {"delta": 2.0, "clip_ratio_high": 1.5}, ValueError, "delta"),
+    ("luspo", {"clip_ratio": -0.2}, ValueError, "clip_ratio"),
+    ("topr", {"ratio_level": "geometric"}, ValueError, "ratio_level"),
+    ("topr", {"positive_weight": -1.0}, ValueError, "positive_weight"),
+    ("topr", {"negative_weight": float("inf")}, ValueError, "negative_weight"),
+    ("kimi15", {"tau": 0.0}, ValueError, "tau"),
+    ("kimi15", {"penalty_level": "seq"}, ValueError, "penalty_level"),
+    ("ipo", {"ipo_threshold": -0.1}, ValueError, "ipo_threshold"),
+    ("ipo", {"adv_tau": -1.0}, ValueError, "adv_tau"),
+    ("ipo", {"kl_tau": float("nan")}, ValueError, "kl_tau"),
     ("kl_cov", {"selection": torch.ones(3, 2, dtype=torch.bool)}, ValueError, "selection"),
 ]
 
@@ -424,7 +435,9 @@ def test_bad_tensors(name):
 # The losses whose value depends on log π only through the ratio π/π_old (the
 # others multiply log π itself, which is -inf there (reinforce, cispo, ...), or
 # select tokens by statistics of log π (clip_cov, kl_cov)).
-RATIO_LOSSES = ["vanilla", "gspo", "gspo_token", "gspo_seq", "sapo", "geo_mean"]
+RATIO_LOSSES = [
+    "vanilla", "gspo", "gspo_token", "gspo_seq", "sapo", "geo_mean", "two_sided_clip", "luspo",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", RATIO_LOSSES)
@@ -454,21 +467,147 @@ def test_infinite_log_ratio_on_a_valid_token_is_clamped_like_vanilla(name):
         assert m["log_ratio_clamped_frac"].item() == pytest.approx(2 / 6)
 
 
-@pytest.mark.parametrize("shape", [(0, 5), (3, 0)], ids=["B=0", "T=0"])
+def _hand(ratios, advs):
+    """One row of tokens with the given ratios and advantages, log π_old = −1."""
+    ratio = torch.tensor([ratios], dtype=torch.float64)
+    adv = torch.tensor([advs], dtype=torch.float64)
+    old = torch.full_like(ratio, -1.0)
+    return old, old + ratio.log(), adv, torch.ones_like(ratio, dtype=torch.bool)
+
+
+def test_two_sided_clip_by_hand():
+    # δ = 4, ε = 0.2. (r, A): (5, −1) beyond δ: loss −δA = 4, no gradient; (3, −1) below δ:
+    # the unclipped −rA = 3, gradient −A·r = 3; (5, +1) above 1 + ε: −1.2, no gradient.
+    old, logp, adv, mask = _hand([5.0, 3.0, 5.0], [-1.0, -1.0, 1.0])
+    loss, m, grad = _run("two_sided_clip", old, logp, adv, mask, "token-sum", delta=4.0)
+    assert loss.item() == pytest.approx(4.0 + 3.0 - 1.2)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 3.0, 0.0]], dtype=torch.float64))
+    assert m["pg_clipfrac_lower"].item() == pytest.approx(1 / 3)
+    # It is vanilla's dual clip with c = δ, token for token.
+    want, _, want_grad = _run("vanilla", old, logp, adv, mask, "token-sum", clip_ratio_c=4.0)
+    assert loss.item() == want.item() and torch.equal(grad, want_grad)
+
+
+def test_luspo_weights_each_sequence_by_its_length():
+    # Sequence 0: 2 tokens, log-ratios ±0.1 → s = 1, A = 1: GSPO loss −1, times |y| = 2: −2.
+    # Sequence 1: 3 tokens, log-ratios 0 → s = 1, A = −1: loss 1, times 3: 3.
+    # LUSPO = (−2 + 3)/2 = 0.5; GSPO's mean over sequences = (−1 + 1)/2 = 0.
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    logp = old + torch.tensor([[0.1, -0.1, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    luspo, _ = get_policy_loss("luspo")(old, logp, adv, mask)
+    gspo, _ = get_policy_loss("gspo")(old, logp, adv, mask)
+    assert luspo.item() == pytest.approx(0.5) and gspo.item() == pytest.approx(0.0)
+
+
+def test_topr_by_hand():
+    # Sequence 0: A = +1 (positive: plain update, gradient −A = −1 per token, whatever r).
+    # Sequence 1: A = −1, token log-ratios −0.5, −0.5: ρ = e^{−1} < 1, gradient −ρ·A = e^{−1}.
+    # Sequence 2: A = −1, log-ratios +0.5, +0.5: ρ = e^{1} truncated to 1: gradient 1.
+    lr = torch.tensor([[1.0, 1.0], [-0.5, -0.5], [0.5, 0.5]], dtype=torch.float64)
+    old = torch.full_like(lr, -2.0)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones_like(lr, dtype=torch.bool)
+    _, m, grad = _run("topr", old, old + lr, adv, mask, "token-sum")
+    e = math.exp(-1.0)
+    want = torch.tensor([[-1.0, -1.0], [e, e], [1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, rtol=1e-15, atol=0)
+    assert m["pg_clipfrac_low"].item() == pytest.approx(2 / 6)
+    # ROLL's token-level ratio: sequence 1's tokens each get e^{−0.5}; weights scale the parts.
+    _, _, grad = _run("topr", old, old + lr, adv, mask, "token-sum", ratio_level="token",
+                      positive_weight=2.0, negative_weight=0.5)  # fmt: skip
+    h = 0.5 * math.exp(-0.5)
+    want = torch.tensor([[-2.0, -2.0], [h, h], [0.5, 0.5]], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, rtol=1e-15, atol=0)
+
+
+def test_kimi15_penalty_levels():
+    old, logp, adv, mask = policy_batch(5, 7, 41, scale=0.5, seq_adv=True)
+    # The token form is verl's dro with dro_beta = τ.
+    for mode in MODES:
+        a, _, ga = _run("kimi15", old, logp, adv, mask, mode, tau=0.3)
+        b, _, gb = _run("dro", old, logp, adv, mask, mode, dro_beta=0.3)
+        torch.testing.assert_close(a, b, rtol=1e-15, atol=1e-15)
+        torch.testing.assert_close(ga, gb, rtol=1e-15, atol=1e-15)
+    # Hand-worked sequence form: log-ratios 0.2 and 0.1, A = 0, τ = 0.1: S = 0.3, the loss
+    # (τ/2)·S² = 0.0045 and each token's gradient τ·S = 0.03 (d/d log π_t of (τ/2)·S²).
+    o = torch.full((1, 2), -1.0, dtype=torch.float64)
+    lp = o + torch.tensor([[0.2, 0.1]], dtype=torch.float64)
+    z, ones = torch.zeros_like(o), torch.ones_like(o, dtype=torch.bool)
+    loss, _, grad = _run("kimi15", o, lp, z, ones, "token-sum", penalty_level="sequence")
+    assert loss.item() == pytest.approx(0.0045, rel=1e-13)
+    torch.testing.assert_close(grad, torch.full_like(grad, 0.03), rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("mode", MODES)
+def test_kimi15_sequence_penalty_is_the_papers_per_sample_loss(mode):
+    """Spread over tokens, the sequence penalty has the value and gradient of (τ/2)·S²."""
+    # Every mode is linear in each sequence's token sum, so the per-sample loss may sit
+    # on one token of the reference.
+    old, logp, adv, mask = policy_batch(6, 7, 43, scale=0.6, seq_adv=True)
+    loss, _, grad = _run("kimi15", old, logp, adv, mask, mode, penalty_level="sequence", tau=0.2)
+    leaf = logp.clone().requires_grad_()
+    want = ref_agg(ref_kimi15_sequence_loss(old, leaf, adv, mask, tau=0.2), mask, mode, 7)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_ipo_trust_region_by_hand():
+    # p_old = 0.5 for every token. p = 0.7 (|Δp| = 0.2 > 0.1: policy term removed),
+    # p = 0.55 (kept), p = 0.3 with A < 0 (|Δp| = 0.2: removed). kl_tau = 0.01.
+    old = torch.full((1, 3), math.log(0.5), dtype=torch.float64)
+    logp = torch.log(torch.tensor([[0.7, 0.55, 0.3]], dtype=torch.float64))
+    adv = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m, grad = _run("ipo", old, logp, adv, mask, "token-sum", kl_tau=0.01)
+    lr = [math.log(1.4), math.log(1.1), math.log(0.6)]
+    # Loss: −A·r on the kept token (r = 1.1) plus 0.01·(log r)² on every token.
+    assert loss.item() == pytest.approx(-1.1 + 0.01 * sum(x * x for x in lr), rel=1e-13)
+    # Gradient: −A·r on the kept token, 2·0.01·log r from the penalty everywhere.
+    want = [0.02 * lr[0], -1.1 + 0.02 * lr[1], 0.02 * lr[2]]
+    torch.testing.assert_close(grad[0], torch.tensor(want, dtype=torch.float64))
+    assert m["pg_clipfrac_high"].item() == pytest.approx(1 / 3)
+    assert m["pg_clipfrac_low"].item() == pytest.approx(1 / 3)
+    assert m["ipo_masked_frac"].item() == pytest.approx(2 / 3)
+
+
+OPTION_CASES = [
+    ("kimi15", {"penalty_level": "sequence", "tau": 0.4}),
+    ("topr", {"ratio_level": "token"}),
+    ("topr", {"positive_weight": 0.5, "negative_weight": 2.0}),
+    ("ipo", {"ipo_threshold": 0.2, "adv_tau": 0.5, "kl_tau": 0.1}),
+    ("two_sided_clip", {"delta": 2.0, "clip_ratio": 0.3}),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "kw"), OPTION_CASES, ids=lambda x: str(x))
+def test_options_match_the_reference(name, kw, mode):
+    old, logp, adv, mask = policy_batch(5, 7, 17, scale=0.7)
+    loss, _, grad = _run(name, old, logp, adv, mask, mode, **kw)
+    want, want_grad = _reference(name, old, logp, adv, mask, mode, **kw)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_empty_batch_gives_zero_loss(name, mode, shape):
-    # A data-parallel rank can be left without samples (B = 0) and a micro-batch
-    # without response tokens (T = 0): the loss is 0 with a zero gradient of the
-    # input's shape, and every metric is finite.
-    x = torch.zeros(shape, dtype=torch.float64)
-    leaf = x.clone().requires_grad_()
-    loss, metrics = get_policy_loss(name)(
-        x, leaf, x, x.bool(), loss_agg_mode=mode, norm_length=max(shape[1], 1),
-        **LOSS_KWARGS[name],
-    )  # fmt: skip
-    loss.backward()
-    assert loss.shape == () and loss.item() == 0.0
-    assert leaf.grad is not None and leaf.grad.shape == shape
-    for key, value in metrics.items():
-        assert torch.isfinite(value).all(), key
+@pytest.mark.parametrize("shape", [(0, 6), (3, 0)])
+def test_empty_batch_gives_zero(name, shape):
+    """An empty micro-batch (B = 0 on a rank, or T = 0) gives a loss of 0, a zero gradient
+    and finite 0-d metrics, in every mode."""
+    old = torch.zeros(shape, dtype=torch.float64)
+    adv = torch.zeros(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    kw = dict(LOSS_KWARGS[name])
+    if name in ("clip_cov", "kl_cov"):
+        kw["selection"] = torch.zeros(shape, dtype=torch.bool)
+    for mode in MODES:
+        leaf = old.clone().requires_grad_()
+        loss, metrics = get_policy_loss(name)(
+            old, leaf, adv, mask, loss_agg_mode=mode, **agg_extra(mask, 6), **kw
+        )
+        loss.backward()
+        assert loss.item() == 0.0 and leaf.grad.shape == shape, mode
+        assert all(v.dim() == 0 and torch.isfinite(v) for v in metrics.values()), mode

@@ -170,7 +170,7 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
-@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric", "segment"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_empty_batch(shape, level, mode):
     """An empty micro-batch (B = 0, or T = 0) gives empty weights and 0 metrics, like the losses."""
@@ -181,6 +181,135 @@ def test_empty_batch(shape, level, mode):
     assert weights.shape == shape and weights.dtype == torch.float64
     assert out_mask.shape == shape and out_mask.dtype == torch.bool
     for name, value in metrics.items():
-        assert value.shape == () and value.item() == 0.0, name
+        assert value.shape == () and value.item() == (name == "batch_norm_factor"), name
     loss, _ = compute_policy_loss_reinforce(old, rollout, old, out_mask, rollout_is_weights=weights)
     assert loss.item() == 0.0
+
+
+def _segment_ref(old, rollout, mask):
+    """Per token: exp(mean log-ratio over its run of consecutive valid tokens)."""
+    b, t = mask.shape
+    out = torch.zeros(b, t, dtype=torch.float64)
+    for i in range(b):
+        j = 0
+        while j < t:
+            if not mask[i, j]:
+                j += 1
+                continue
+            end = j
+            while end < t and mask[i, end]:
+                end += 1
+            lr = [float(old[i, k] - rollout[i, k]) for k in range(j, end)]
+            for k in range(j, end):
+                out[i, k] = math.exp(sum(lr) / len(lr))
+            j = end
+    return out
+
+
+def test_segment_level_by_hand():
+    # One row, two turns around a masked tool output: log-ratios (0.2, 0.4 | junk | −0.3).
+    # Turn 1 gets exp(0.3), turn 2 exp(−0.3); with threshold_high 1.2 (mask mode, lower
+    # 1/1.2) turn 1 (1.35) is rejected as a whole and turn 2 (0.74) too, below 0.83.
+    old = torch.tensor([[-1.0, -1.0, 50.0, -1.0]], dtype=torch.float64)
+    rollout = old - torch.tensor([[0.2, 0.4, 0.0, -0.3]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False, True]])
+    res = rollout_correction(old, rollout, mask, level="segment", threshold_high=10.0)
+    e = math.exp(0.3)
+    torch.testing.assert_close(res.weights, torch.tensor([[e, e, 0, 1 / e]], dtype=torch.float64))
+    assert res.metrics["log_ratio_mean"].item() == pytest.approx(0.0)  # two segments: ±0.3
+    res = rollout_correction(old, rollout, mask, level="segment", mode="mask", threshold_high=1.2)
+    assert res.response_mask.tolist() == [[False, False, False, False]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("low", "high"), [(None, 2.0), (0.8, 1.2)])
+def test_segment_level_matches_reference(mode, low, high):
+    old, rollout, mask = _batch(11, b=6, t=12)
+    res = rollout_correction(
+        old, rollout, mask, level="segment", mode=mode, threshold_low=low, threshold_high=high
+    )
+    raw = _segment_ref(old, rollout, mask)
+    if mode == "mask" and low is None:
+        low = 1 / high
+    inside = (raw >= (low or 0)) & (raw <= high)
+    if mode == "truncate":
+        want = raw.clamp(min=low, max=high) * mask
+        assert torch.equal(res.response_mask, mask)
+    else:
+        want = torch.where(inside & mask, raw, 0)
+        assert torch.equal(res.response_mask, mask & inside)
+    torch.testing.assert_close(res.weights, want, rtol=1e-12, atol=1e-12)
+    # A response of one segment gets the geometric level's weight.
+    full = torch.ones_like(mask)
+    seg = rollout_correction(old, rollout, full, level="segment", threshold_high=1e9)
+    geo = rollout_correction(old, rollout, full, level="geometric", threshold_high=1e9)
+    torch.testing.assert_close(seg.weights, geo.weights, rtol=1e-13, atol=0)
+
+
+def test_chi2_metrics():
+    old, rollout, mask = _batch(12)
+    res = rollout_correction(old, rollout, mask)
+    lr = old - rollout
+    token = (lr[mask].exp() ** 2).mean() - 1
+    rows = [lr[i][mask[i]].sum() for i in range(mask.shape[0]) if mask[i].any()]
+    seq = torch.stack([(2 * r).exp() for r in rows]).mean() - 1
+    assert res.metrics["chi2_token"].item() == pytest.approx(token.item(), rel=1e-12)
+    assert res.metrics["chi2_seq"].item() == pytest.approx(seq.item(), rel=1e-12)
+    assert res.metrics["batch_norm_factor"].item() == 1.0
+
+
+def _unit_mean_ref(weights, mask, level):
+    units = []
+    for i in range(mask.shape[0]):
+        cols = [j for j in range(mask.shape[1]) if mask[i, j]]
+        if not cols:
+            continue
+        if level == "token":
+            units += [float(weights[i, j]) for j in cols]
+        elif level in ("sequence", "geometric"):
+            units.append(sum(float(weights[i, j]) for j in cols) / len(cols))
+        else:  # one unit per run; its weight is constant along it
+            units += [float(weights[i, j]) for j in cols if j == 0 or not mask[i, j - 1]]
+    return sum(units) / len(units)
+
+
+@pytest.mark.parametrize("level", [*LEVELS, "segment"])
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_normalize(level, mode):
+    old, rollout, mask = _batch(13, b=7, t=9)
+    plain = rollout_correction(old, rollout, mask, level=level, mode=mode, threshold_high=1.5)
+    res = rollout_correction(
+        old, rollout, mask, level=level, mode=mode, threshold_high=1.5, batch_normalize=True
+    )
+    mean = _unit_mean_ref(plain.weights, mask, level)
+    assert res.metrics["batch_norm_factor"].item() == pytest.approx(mean, rel=1e-12)
+    torch.testing.assert_close(res.weights, plain.weights / mean, rtol=1e-12, atol=0)
+    assert _unit_mean_ref(res.weights, mask, level) == pytest.approx(1.0, rel=1e-12)
+    for key in ("weight_mean", "ess", "fraction_high"):  # metrics of the weights before
+        assert torch.equal(res.metrics[key], plain.metrics[key])
+
+
+def _dp_normalize_worker(seed):
+    import torch.distributed as dist
+
+    old, rollout, mask = _batch(seed, b=8, t=9)
+    rank = dist.get_rank()
+    rows = slice(0, 3) if rank == 0 else slice(3, 8)
+    kw = {"threshold_high": 1.5, "batch_normalize": True, "group": dist.group.WORLD}
+    return {
+        level: rollout_correction(old[rows], rollout[rows], mask[rows], level=level, **kw).weights
+        for level in (*LEVELS, "segment")
+    }
+
+
+def test_batch_normalize_over_two_gloo_ranks():
+    from rlmath.distributed import run_distributed
+
+    results = run_distributed(_dp_normalize_worker, 2, 14)
+    old, rollout, mask = _batch(14, b=8, t=9)
+    for level in (*LEVELS, "segment"):
+        whole = rollout_correction(
+            old, rollout, mask, level=level, threshold_high=1.5, batch_normalize=True
+        ).weights
+        got = torch.cat([results[0][level], results[1][level]])
+        torch.testing.assert_close(got, whole, rtol=1e-12, atol=0)

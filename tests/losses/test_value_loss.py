@@ -7,7 +7,7 @@ import torch
 
 from rlmath import compute_value_loss
 
-from .helpers import MODES, ragged_mask, ref_agg
+from .helpers import MODES, agg_extra, ragged_mask, ref_agg
 
 
 def _ref(vp, ret, val, mask, c, mode):
@@ -36,7 +36,7 @@ def test_matches_reference(mode, c):
     vp, ret, val = (torch.randn(5, 6, generator=gen, dtype=torch.float64) for _ in range(3))
     a = vp.clone().requires_grad_()
     loss, frac = compute_value_loss(
-        a, ret, val, mask, cliprange_value=c, loss_agg_mode=mode, norm_length=6
+        a, ret, val, mask, cliprange_value=c, loss_agg_mode=mode, **agg_extra(mask)
     )
     frac = frac["vf_clipfrac"]
     loss.backward()

@@ -163,7 +163,7 @@ def test_agg_loss_norm_fallback_is_the_padded_width_as_in_verl():
     mask = random_mask(4, 12, gen)
     x = randn(4, 12, gen=gen)
     with pytest.raises(ValueError, match="norm_length"):
-        rlmath.agg_loss(x, mask, "seq-mean-token-sum-norm")
+        rlmath.agg_loss(x, mask, loss_agg_mode="seq-mean-token-sum-norm")
     assert_close(
         cv.agg_loss(x, mask, "seq-mean-token-sum-norm"),
         verl_core.agg_loss(x, mask.float(), "seq-mean-token-sum-norm"),

@@ -93,7 +93,7 @@ def test_agg_loss(mode, seed, empty_row):
     loss_mat = randn(b, t, gen=gen)
     norm = {"seq-mean-token-sum-norm": 7.0}.get(mode)
     x1, x2 = loss_mat.clone().requires_grad_(True), loss_mat.clone().requires_grad_(True)
-    ours = rlmath.agg_loss(x1, mask, mode, norm_length=norm)
+    ours = rlmath.agg_loss(x1, mask, loss_agg_mode=mode, norm_length=norm)
     theirs = verl_core.agg_loss(x2, mask.float(), mode, loss_scale_factor=norm)
     assert_close(ours, theirs, **TOL, msg=mode)
     ours.backward()
@@ -107,9 +107,9 @@ def test_agg_loss_norm_length_documented_difference(gen):
     mask = random_mask(4, 10, gen)
     loss_mat = randn(4, 10, gen=gen)
     with pytest.raises(ValueError, match="norm_length"):
-        rlmath.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm")
+        rlmath.agg_loss(loss_mat, mask, loss_agg_mode="seq-mean-token-sum-norm")
     assert_close(
-        rlmath.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", norm_length=10),
+        rlmath.agg_loss(loss_mat, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_length=10),
         verl_core.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm"),
         **TOL,
     )
@@ -127,7 +127,7 @@ def test_agg_loss_data_parallel_scaling(mode, gen):
     ours = rlmath.agg_loss(
         loss_mat,
         mask,
-        mode,
+        loss_agg_mode=mode,
         global_num_tokens=tokens,
         global_num_seqs=seqs,
         dp_size=dp,
@@ -435,9 +435,10 @@ def test_value_loss(mode, cliprange, seed):
     returns = values + randn(b, t, gen=gen)
     norm = 10 if mode == "seq-mean-token-sum-norm" else None
     v1, v2 = vpreds.clone().requires_grad_(True), vpreds.clone().requires_grad_(True)
-    loss, frac = rlmath.compute_value_loss(
-        v1, returns, values, mask, cliprange, mode, norm_length=norm
+    loss, metrics = rlmath.compute_value_loss(
+        v1, returns, values, mask, cliprange_value=cliprange, loss_agg_mode=mode, norm_length=norm
     )
+    frac = metrics["vf_clipfrac"]
     # verl has no "off" switch: a huge clip range is the same as no clipping.
     loss_v, frac_v = verl_core.compute_value_loss(
         v2, returns, values, mask.float(), 1e9 if cliprange is None else cliprange, mode
@@ -456,7 +457,7 @@ def test_entropy_loss(mode, gen):
     logits = randn(b, t, v, gen=gen, scale=2.0)
     l1, l2 = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
     norm = {"norm_length": t} if mode == "seq-mean-token-sum-norm" else {}
-    ours = rlmath.compute_entropy_loss(l1, mask, mode, **norm)
+    ours, _ = rlmath.compute_entropy_loss(l1, mask, loss_agg_mode=mode, **norm)
     theirs = verl_core.compute_entropy_loss(l2, mask.float(), mode)
     assert_close(ours, theirs, **TOL)
     ours.backward()

@@ -12,12 +12,14 @@ from rlmath.advantages.gae import (
     compute_gae_advantage_return,
 )
 from rlmath.advantages.gdpo import compute_gdpo_outcome_advantage
+from rlmath.advantages.gigpo import GIGPO_EPISODE_STATISTICS, compute_gigpo_outcome_advantage
 from rlmath.advantages.gpg import compute_gpg_outcome_advantage
 from rlmath.advantages.groups import GroupStats, group_ids, group_stats
 from rlmath.advantages.grpo import (
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
 )
+from rlmath.advantages.maxrl import compute_maxrl_outcome_advantage
 from rlmath.advantages.opo import compute_opo_outcome_advantage
 from rlmath.advantages.optimal_token_baseline import (
     compute_multi_turn_optimal_token_baseline_advantage,
@@ -35,14 +37,18 @@ from rlmath.advantages.reinforce_plus_plus import (
 from rlmath.advantages.remax import compute_remax_outcome_advantage
 from rlmath.advantages.rloo import compute_rloo_outcome_advantage
 from rlmath.advantages.scan import reverse_discounted_cumsum
+from rlmath.advantages.vapo_gae import compute_vapo_gae_advantage_return, length_adaptive_lambda
 
 __all__ = [
+    "GIGPO_EPISODE_STATISTICS",
     "GroupStats",
     "compute_gae_advantage_return",
     "compute_gdpo_outcome_advantage",
+    "compute_gigpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
+    "compute_maxrl_outcome_advantage",
     "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
@@ -50,9 +56,11 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_vapo_gae_advantage_return",
     "get_advantage_estimator",
     "group_ids",
     "group_stats",
+    "length_adaptive_lambda",
     "list_advantage_estimators",
     "register_advantage_estimator",
     "reverse_discounted_cumsum",

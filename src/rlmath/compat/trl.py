@@ -284,3 +284,78 @@ def grpo_loss(
         loss = loss + beta * rlmath.agg_loss(kl, mask, **agg)
         metrics["kl"] = rlmath.masked_mean(kl.detach(), mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------------------
+# TRL's names for its token masks and its length reward, computed by rlmath:
+# ``GRPOTrainer.get_off_policy_mask`` (a static method in TRL >= 0.27),
+# ``GRPOTrainer.get_high_entropy_mask`` (a method; ``self`` only supplies the
+# process group) and ``trl.rewards.get_soft_overlong_punishment``.
+
+__all__ += ["get_high_entropy_mask", "get_off_policy_mask", "get_soft_overlong_punishment"]
+
+
+def get_off_policy_mask(
+    advantages: torch.Tensor,
+    per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    off_policy_threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask as TRL returns it (:func:`rlmath.off_policy_sequence_mask`).
+
+    Shapes: ``advantages`` ``(B, 1)`` (or ``(B, T)``), the log-probs and
+    ``mask`` ``(B, T)``. Returns ``(A >= 0) | (δ <= threshold)`` in
+    ``advantages``' shape and ``mask``'s dtype (1 = keep), ``δ`` the mean over
+    valid tokens of ``sampling_per_token_logps − per_token_logps``.
+    """
+    check_tensor("advantages", advantages, floating=True)
+    out = rlmath.off_policy_sequence_mask(
+        sampling_per_token_logps, per_token_logps, advantages, mask,
+        threshold=off_policy_threshold,
+    )  # fmt: skip
+    low_kl = (out.sequence_kl <= off_policy_threshold).unsqueeze(-1)
+    return ((advantages >= 0) | low_kl).to(mask.dtype)
+
+
+def get_high_entropy_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, threshold: float, *, group: Any = None
+) -> torch.Tensor:
+    """TRL's high-entropy token mask (:func:`rlmath.high_entropy_token_mask`).
+
+    ``threshold`` is the quantile level (TRL passes ``1 − top_entropy_quantile``);
+    ``group`` is the process group TRL's accelerator gathers over. Returns a
+    bool ``(B, T)`` mask equal to TRL's, without gathering the entropies.
+    """
+    level = check_in_range("threshold", threshold, 0.0, 1.0)
+    return rlmath.high_entropy_token_mask(
+        entropies, mask, top_entropy_quantile=1.0 - level, group=group
+    ).keep
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Any:
+    """TRL's DAPO length reward function (:func:`rlmath.soft_overlong_punishment`).
+
+    Returns a callable ``(completion_ids: list[list[int]], **kwargs) -> list[float]``
+    like TRL's reward functions. ``soft_punish_cache`` must be in
+    ``[1, max_completion_len]`` (TRL also accepts 0, and then divides by it).
+    """
+    rlmath.soft_overlong_punishment(
+        torch.zeros(0, 1),
+        torch.zeros(0, 1, dtype=torch.bool),
+        max_response_length=max_completion_len,
+        overlong_buffer_length=soft_punish_cache,
+    )  # fmt: skip  (validates the two lengths now, not at the first call)
+
+    def soft_overlong_punishment_reward(
+        completion_ids: list[list[int]], **kwargs: Any
+    ) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
+        rows = torch.zeros(len(completion_ids), 1, dtype=torch.float64)
+        out = rlmath.soft_overlong_punishment(
+            rows, torch.ones_like(rows, dtype=torch.bool), max_response_length=max_completion_len,
+            overlong_buffer_length=soft_punish_cache, response_length=lengths,
+        )  # fmt: skip
+        return [float(v) for v in out.token_level_rewards[:, 0].tolist()]
+
+    return soft_overlong_punishment_reward

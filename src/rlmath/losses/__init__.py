@@ -15,6 +15,7 @@ from rlmath.losses.aggregation import (
     LOSS_AGG_MODES,
     agg_loss,
     global_batch_info,
+    prompt_batch_info,
 )
 from rlmath.losses.cispo import (
     compute_policy_loss_cispo,
@@ -47,9 +48,34 @@ from rlmath.losses.gspo import (
     compute_policy_loss_gspo_seq,
     sequence_log_ratio,
 )
+from rlmath.losses.high_entropy_mask import (
+    HighEntropyMask,
+    high_entropy_token_mask,
+    masked_quantile,
+)
+from rlmath.losses.ipo import (
+    compute_policy_loss_ipo,
+)
+from rlmath.losses.kimi15 import (
+    KIMI15_PENALTY_LEVELS,
+    compute_policy_loss_kimi15,
+)
+from rlmath.losses.luspo import (
+    compute_policy_loss_luspo,
+)
+from rlmath.losses.off_policy_sequence_mask import (
+    OffPolicySequenceMask,
+    off_policy_sequence_mask,
+)
+from rlmath.losses.positive_example_nll import (
+    compute_positive_example_nll_loss,
+)
 from rlmath.losses.ppo_clip import (
     compute_policy_loss_vanilla,
     ppo_clip_regions,
+)
+from rlmath.losses.proximal_log_prob import (
+    loglinear_proximal_log_prob,
 )
 from rlmath.losses.registry import (
     get_policy_loss,
@@ -64,6 +90,12 @@ from rlmath.losses.rollout_correction import (
     ROLLOUT_CORRECTION_MODES,
     RolloutCorrection,
     rollout_correction,
+    segment_labels,
+)
+from rlmath.losses.rollout_prob_diff import (
+    ROLLOUT_PROB_DIFF_LEVELS,
+    RolloutProbDiffFilter,
+    rollout_prob_diff_filter,
 )
 from rlmath.losses.rollout_rejection import (
     ROLLOUT_REJECTION_OPTIONS,
@@ -75,6 +107,13 @@ from rlmath.losses.rollout_rejection import (
 from rlmath.losses.sapo import (
     compute_policy_loss_sapo,
 )
+from rlmath.losses.topr import (
+    TOPR_RATIO_LEVELS,
+    compute_policy_loss_topr,
+)
+from rlmath.losses.two_sided_clip import (
+    compute_policy_loss_two_sided_clip,
+)
 from rlmath.losses.value_loss import (
     compute_value_loss,
 )
@@ -84,11 +123,17 @@ from rlmath.losses.vespo import (
 )
 
 __all__ = [
+    "KIMI15_PENALTY_LEVELS",
     "LOSS_AGG_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "ROLLOUT_PROB_DIFF_LEVELS",
     "ROLLOUT_REJECTION_OPTIONS",
+    "TOPR_RATIO_LEVELS",
+    "HighEntropyMask",
+    "OffPolicySequenceMask",
     "RolloutCorrection",
+    "RolloutProbDiffFilter",
     "RolloutRejection",
     "agg_loss",
     "binary_kl",
@@ -103,22 +148,35 @@ __all__ = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_gspo_seq",
+    "compute_policy_loss_ipo",
+    "compute_policy_loss_kimi15",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_luspo",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_sapo",
+    "compute_policy_loss_topr",
+    "compute_policy_loss_two_sided_clip",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_vespo",
+    "compute_positive_example_nll_loss",
     "compute_value_loss",
     "get_policy_loss",
     "global_batch_info",
+    "high_entropy_token_mask",
     "kl_cov_selection",
     "list_policy_losses",
+    "loglinear_proximal_log_prob",
+    "masked_quantile",
+    "off_policy_sequence_mask",
     "ppo_clip_regions",
+    "prompt_batch_info",
     "register_policy_loss",
     "rollout_correction",
+    "rollout_prob_diff_filter",
     "rollout_rejection",
     "rollout_rejection_bounds",
     "rollout_rejection_statistic",
+    "segment_labels",
     "sequence_log_ratio",
     "vespo_weight",
 ]

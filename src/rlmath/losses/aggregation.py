@@ -11,17 +11,27 @@ mode                         loss                                           used
 ``seq-mean-token-mean``      (1/S) Σ_i (Σ_t l_{it} / n_i)                   GRPO
 ``seq-mean-token-sum``       (1/S) Σ_i Σ_t l_{it}                           (sequence sums)
 ``seq-mean-token-sum-norm``  (1/(S·norm_length)) Σ_i Σ_t l_{it}             Dr.GRPO
+``prompt-mean``              (1/P) Σ_p (Σ_{i∈p} Σ_t l_{it} / N_p)           SkyRL's ``prompt_mean``
 ===========================  =============================================  =====================
 
 ``n_i`` is the number of valid tokens of sequence i (the sum of its mask
 weights), ``N_tokens = Σ_i n_i`` and ``S`` the number of sequences with at
 least one valid token: a fully masked sequence never counts as a sequence.
+``prompt-mean`` averages over the ``P`` prompts (groups of responses to one
+prompt, with at least one valid token) the token mean within each prompt,
+``N_p = Σ_{i∈p} n_i``: every prompt weighs the same whatever the length or
+number of its responses. It needs each row's ``N_p`` as
+``prompt_num_tokens`` (:func:`prompt_batch_info` computes it from the group
+ids); ``P`` defaults to ``Σ_i n_i / N_{p(i)}``, exact when the call holds
+whole prompts.
 
 **Data parallelism.** With ``R = dp_size`` ranks, each running ``M`` gradient-
 accumulation micro-batches, pass the counts of the *whole optimizer step*
 (every rank, every micro-batch) as ``global_num_tokens`` / ``global_num_seqs``
 (:func:`global_batch_info` computes them). Every micro-batch loss is then
-``R · Σ_{micro} (...) / global_count``. DDP/FSDP average gradients over the
+``R · Σ_{micro} (...) / global_count`` (for ``prompt-mean``, ``N_p`` counts
+the prompt's tokens over the whole step and ``global_num_prompts`` its
+prompts). DDP/FSDP average gradients over the
 ``R`` ranks and the micro-batch gradients are summed, so the optimizer sees
 ``(1/R) Σ_r Σ_m ∇ loss_{r,m} = ∇ (full-batch loss)`` exactly, for every mode,
 whatever the sequence lengths, padding widths or micro-batch sizes.
@@ -62,6 +72,7 @@ __all__ = [
     "agg_loss",
     "aggregate",
     "global_batch_info",
+    "prompt_batch_info",
 ]
 
 #: Every ``loss_agg_mode`` accepted by :func:`agg_loss` and the losses.
@@ -71,6 +82,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
+    "prompt-mean",
 )
 
 Count = torch.Tensor | int | float | None
@@ -83,6 +95,8 @@ class AggregationKwargs(TypedDict, total=False):
     global_num_seqs: Count
     dp_size: int
     norm_length: float | None
+    prompt_num_tokens: torch.Tensor | None
+    global_num_prompts: Count
 
 
 def _check_count(name: str, value: Count) -> Count:
@@ -137,12 +151,20 @@ class Aggregation(Mapping[str, Any]):
             multiplied by ``dp_size`` to undo the averaging.
         norm_length: the constant Dr.GRPO divides by, required for
             ``seq-mean-token-sum-norm`` (the maximum response length of the run).
+        prompt_num_tokens: for ``prompt-mean`` (required there): a ``(*,)``
+            tensor with, for each row of the loss, the number of valid tokens
+            (mask weights) of all the responses to its prompt in the whole
+            step (:func:`prompt_batch_info`); never read on the host.
+        global_num_prompts: prompts with a valid token in the whole step, for
+            ``prompt-mean``; same rules as the other counts.
     """
 
     global_num_tokens: Count = None
     global_num_seqs: Count = None
     dp_size: int = 1
     norm_length: float | None = None
+    prompt_num_tokens: torch.Tensor | None = None
+    global_num_prompts: Count = None
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Aggregation:
@@ -151,16 +173,24 @@ class Aggregation(Mapping[str, Any]):
         if unknown:
             raise TypeError(
                 f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the aggregation "
-                "arguments are global_num_tokens, global_num_seqs, dp_size, norm_length"
+                "arguments are global_num_tokens, global_num_seqs, dp_size, norm_length, "
+                "prompt_num_tokens, global_num_prompts"
             )
         norm_length = kwargs.get("norm_length")
         if norm_length is not None:
             norm_length = check_in_range("norm_length", norm_length, 0.0, None, low_inclusive=False)
+        prompt_tokens = kwargs.get("prompt_num_tokens")
+        if prompt_tokens is not None:
+            check_tensor("prompt_num_tokens", prompt_tokens, real=True)
+            if prompt_tokens.dtype == torch.bool:
+                raise TypeError("prompt_num_tokens must hold counts, got a bool tensor")
         return cls(
             global_num_tokens=_check_count("global_num_tokens", kwargs.get("global_num_tokens")),
             global_num_seqs=_check_count("global_num_seqs", kwargs.get("global_num_seqs")),
             dp_size=check_int("dp_size", kwargs.get("dp_size", 1), 1),
             norm_length=norm_length,
+            prompt_num_tokens=prompt_tokens,
+            global_num_prompts=_check_count("global_num_prompts", kwargs.get("global_num_prompts")),
         )
 
     # As a mapping it holds the fields that are set (``dp_size`` always), so that
@@ -177,7 +207,14 @@ class Aggregation(Mapping[str, Any]):
         return len(self._keys())
 
     def _keys(self) -> tuple[str, ...]:
-        names = ("global_num_tokens", "global_num_seqs", "dp_size", "norm_length")
+        names = (
+            "global_num_tokens",
+            "global_num_seqs",
+            "dp_size",
+            "norm_length",
+            "prompt_num_tokens",
+            "global_num_prompts",
+        )
         return tuple(k for k in names if k == "dp_size" or getattr(self, k) is not None)
 
 
@@ -268,6 +305,8 @@ def aggregate(
                 )
             tokens = weight.sum()
         return _divide(weighted.sum(), tokens) * dp_size
+    if loss_agg_mode == "prompt-mean":
+        return _prompt_mean(weighted, weight, agg)
     if loss_agg_mode == "seq-mean-token-sum-norm" and agg.norm_length is None:
         raise ValueError(
             "norm_length is required for loss_agg_mode 'seq-mean-token-sum-norm' "
@@ -294,6 +333,108 @@ def aggregate(
         seqs = seq_valid.sum().to(weight.dtype)
     total = torch.where(seq_valid, per_seq, 0).sum()
     return _divide(total, seqs) * dp_size
+
+
+def _prompt_mean(weighted: torch.Tensor, weight: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+    """``(1/P) Σ_i (Σ_t w·l)_i / N_{p(i)}`` times ``dp_size`` (see the module docstring)."""
+    tokens = agg.prompt_num_tokens
+    if tokens is None:
+        raise ValueError(
+            "prompt_num_tokens is required for loss_agg_mode 'prompt-mean' (each row's "
+            "prompt-group token count over the step); compute it with prompt_batch_info"
+        )
+    rows = weighted.shape[:-1]
+    if tokens.shape != rows:
+        raise ValueError(
+            f"prompt_num_tokens must have one count per row of the loss {tuple(rows)}, "
+            f"got shape {tuple(tokens.shape)}"
+        )
+    counts = tokens.to(device=weighted.device, dtype=weighted.dtype)
+    row_tokens = weight.sum(dim=-1)
+    live = row_tokens > 0
+    # A live row's prompt count is > 0; if it is not, the 0 division shows up as inf/NaN.
+    share = torch.where(live, 1 / torch.where(live, counts, torch.ones_like(counts)), 0)
+    total = (weighted.sum(dim=-1) * share).sum()
+    prompts = agg.global_num_prompts
+    if prompts is None:
+        if agg.dp_size > 1:
+            raise ValueError(
+                "global_num_prompts is required for loss_agg_mode 'prompt-mean' when "
+                f"dp_size > 1 (got dp_size={agg.dp_size}); compute it with prompt_batch_info"
+            )
+        prompts = (row_tokens * share).sum()  # Σ_i n_i / N_p(i) = P for whole prompts
+    return _divide(total, prompts) * agg.dp_size
+
+
+def prompt_batch_info(
+    loss_mask: torch.Tensor,
+    index: Any,
+    *,
+    group: Any = None,
+    num_prompt_ids: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The counts ``prompt-mean`` needs, for a whole optimizer step.
+
+    Args:
+        loss_mask: this rank's mask for the whole step, ``(B, T)`` (bool, 0/1
+            or weights).
+        index: the prompt (group) id of each of the ``B`` rows: a tensor,
+            numpy array or list of hashable ids (as the advantage estimators).
+        group: the ``torch.distributed`` process group the batch is split
+            over; every rank must call. Without ``num_prompt_ids`` each
+            prompt's rows must all be on one rank (only the number of prompts
+            is summed over the ranks).
+        num_prompt_ids: when the ids are integers in ``[0, num_prompt_ids)``
+            meaning the same prompt on every rank, the per-prompt counts are
+            all-reduced as a dense vector of that size, so a prompt's rows may
+            be spread over ranks and micro-batches.
+
+    Returns:
+        ``{"prompt_num_tokens": (B,), "global_num_prompts": 0-d}`` (fp64; fp32
+        on devices without fp64), to pass with ``**`` to a loss or
+        :func:`agg_loss` (slice ``prompt_num_tokens`` with the rows of each
+        micro-batch).
+    """
+    check_tensor("loss_mask", loss_mask)
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must have shape (B, T), got {tuple(loss_mask.shape)}")
+    batch, device = loss_mask.shape[0], loss_mask.device
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    valid = valid_mask(loss_mask)
+    row_tokens = torch.where(valid, loss_mask.to(dtype), 0).sum(-1)
+    import torch.distributed as dist
+
+    from rlmath.engine.groups import is_distributed
+
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialized")
+    reduce = group is not None and is_distributed(group)
+    if num_prompt_ids is not None:
+        size = check_int("num_prompt_ids", num_prompt_ids, 1)
+        ids = (
+            torch.as_tensor(index, device=device) if not isinstance(index, torch.Tensor) else index
+        )
+        if ids.shape != (batch,) or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(
+                f"index must be {batch} integer ids in [0, num_prompt_ids) when num_prompt_ids "
+                f"is given, got shape {tuple(ids.shape)} and dtype {ids.dtype}"
+            )
+        ids = ids.to(device=device, dtype=torch.int64)
+        per_id = torch.zeros(size, dtype=dtype, device=device).index_add_(0, ids, row_tokens)
+        if reduce:
+            dist.all_reduce(per_id, op=dist.ReduceOp.SUM, group=group)
+        return {
+            "prompt_num_tokens": per_id.index_select(0, ids),
+            "global_num_prompts": (per_id > 0).sum().to(dtype),
+        }
+    from rlmath.advantages.groups import segment_ids, segment_sum, to_samples
+
+    labels = segment_ids(index, batch, device)
+    per_group = segment_sum(row_tokens, labels)
+    prompts = (per_group > 0).sum().to(dtype)
+    if reduce:
+        dist.all_reduce(prompts, op=dist.ReduceOp.SUM, group=group)
+    return {"prompt_num_tokens": to_samples(per_group, labels), "global_num_prompts": prompts}
 
 
 def global_batch_info(
