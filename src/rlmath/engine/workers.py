@@ -77,7 +77,11 @@ def _shared_pool() -> ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None:
             helpers = max(1, (os.cpu_count() or 1) - 1, pool_workers() - 1)
-            _pool = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="rlmath-chunks")
+            _pool = ThreadPoolExecutor(
+                max_workers=helpers,
+                thread_name_prefix="rlmath-chunks",
+                initializer=_start_pool_thread,
+            )
         return _pool
 
 
@@ -101,7 +105,14 @@ _SUBNORMAL = torch.tensor(torch.finfo(torch.float32).smallest_normal / 2**23, dt
 
 
 def _flushes_denormals() -> bool:
-    return bool(torch.mul(_SUBNORMAL, 1.0) == 0)
+    return torch.mul(_SUBNORMAL, 1.0).item() == 0.0
+
+
+def _start_pool_thread() -> None:
+    # A new thread inherits the denormal setting of the thread that starts it:
+    # a pool thread starts from torch's default (no flushing), which
+    # CallerState.entered then changes only for callers that flush.
+    torch.set_flush_denormal(False)
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,7 @@ class CallerState:
 
     @contextmanager
     def entered(self) -> Iterator[None]:
-        """This state on the current thread inside the block; the thread's own after it."""
+        """This state on a pool thread inside the block; the thread's own after it."""
         with ExitStack() as stack:
             if self.inference:
                 # Tensors made under inference mode may be written only under it.
@@ -140,10 +151,10 @@ class CallerState:
             if self.autocast is not None:
                 dtype, cache = self.autocast
                 stack.enter_context(torch.autocast("cpu", dtype=dtype, cache_enabled=cache))
-            own = _flushes_denormals()
-            if own != self.flush_denormal:
-                torch.set_flush_denormal(self.flush_denormal)
-                stack.callback(torch.set_flush_denormal, own)
+            if self.flush_denormal:
+                # Entered on pool threads only, which do not flush otherwise.
+                torch.set_flush_denormal(True)
+                stack.callback(torch.set_flush_denormal, False)
             yield
 
 
