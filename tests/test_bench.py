@@ -21,6 +21,7 @@ from rlmath import cli
 from rlmath.bench import BenchSettingError, baselines, fused_head, logprobs, run, session
 from rlmath.bench.advantages import GAMMA_LAM, gae_inputs, outcome_inputs
 from rlmath.bench.busy import BusyLoad, check_busy_cores
+from rlmath.bench.memory import peak_rss_bytes, rss_measurable
 from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 
@@ -132,7 +133,7 @@ def test_run_checks_its_settings_before_any_work():
 
 
 def test_logprobs_table_names_rlmath_and_the_baseline(capsys):
-    with session(peers=False) as setting:
+    with session(peers=False, rss=False) as setting:
         logprobs.run(setting, repeats=5, shapes=[(16, 100)], dtypes=["float32"])
     rows = _table_rows(capsys.readouterr().out, "logits")
     impls = [(row[2], row[3]) for row in rows]
@@ -149,7 +150,7 @@ def test_logprobs_table_names_rlmath_and_the_baseline(capsys):
 
 
 def test_fused_head_table_names_rlmath_and_the_baselines(capsys, matmul_library):
-    with session(peers=False) as setting:
+    with session(peers=False, rss=False) as setting:
         fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["float32"])
     out = capsys.readouterr().out
     library = "oneDNN" if matmul_library == "onednn" else "torch's BLAS"
@@ -163,14 +164,45 @@ def test_fused_head_table_names_rlmath_and_the_baselines(capsys, matmul_library)
 
 
 def test_fused_head_table_has_no_onednn_row_for_half_inputs(capsys):
-    with session(peers=False) as setting:
+    with session(peers=False, rss=False) as setting:
         fused_head.run(setting, repeats=5, shapes=[(16, 8, 100)], dtypes=["bfloat16"])
     rows = _table_rows(capsys.readouterr().out, "N×H×V")
     assert [row[2] for row in rows] == ["unfused", "rlmath fused"]
 
 
+@pytest.mark.skipif(not rss_measurable(), reason="needs Linux's /proc/self/clear_refs")
+def test_memory_columns_report_peak_rss_beside_the_tracker(capsys):
+    with session(peers=False, threads=2) as setting:
+        logprobs.run(setting, repeats=5, shapes=[(64, 3000)], dtypes=["float32"],
+                     functions=["log_probs"])  # fmt: skip
+        fused_head.run(setting, repeats=5, shapes=[(64, 8, 3000)], dtypes=["float32"])
+    out = capsys.readouterr().out
+    for first, mib_column in (("logits", 10), ("N×H×V", 7)):
+        rows = _table_rows(out, first)
+        assert rows
+        for row in rows:
+            # An integer (a call as small as its warm-up may reuse memory the
+            # warm-up freed and read slightly negative) and a percentage.
+            int(row[mib_column])
+            assert row[mib_column + 1].endswith("%")
+
+
+def test_peak_rss_of_a_case_counts_what_the_call_allocates():
+    # The naive baseline holds an fp32 log_softmax of the logits besides their
+    # gradient: 4·n·v bytes beyond the gradient, resident at the peak.
+    if not rss_measurable():
+        pytest.skip("needs Linux's /proc/self/clear_refs")
+    n, v = 512, 8192  # 16 MiB of logits
+    case = {"n": n, "v": v, "dtype": "float32", "with_entropy": False, "peers": False}
+    naive = peak_rss_bytes("rlmath.bench.logprobs", {**case, "impl": logprobs.BASE}, threads=1)
+    ours = peak_rss_bytes("rlmath.bench.logprobs", {**case, "impl": "rlmath"}, threads=1)
+    assert naive is not None and ours is not None
+    assert naive >= 4 * n * v * 0.9
+    assert ours < naive / 2
+
+
 def test_table_headers_state_the_load(capsys):
-    with session(busy_cores=1, threads=1, peers=False) as setting:
+    with session(busy_cores=1, threads=1, peers=False, rss=False) as setting:
         logprobs.run(setting, repeats=5, shapes=[(8, 50)], dtypes=["float32"])
     out = capsys.readouterr().out
     assert "1 thread, cpu;" in out and "load: 1 busy process, load average" in out

@@ -30,6 +30,15 @@ threads: with two workers on 2 cores, four threads, and a matmul of
 So :func:`limit_threads` also sets MKL's per-thread count of the calling
 thread (``MKL_Set_Num_Threads_Local``, thread-local by MKL's definition)
 where torch's MKL exports it, and restores it.
+
+The per-thread OpenMP count is what keeps the worker pool of the vocabulary
+passes (:mod:`rlmath.engine.workers`) from oversubscribing the cores. Where
+it cannot be set — a torch built on TBB or its own thread pool instead of
+OpenMP, a platform whose C library cannot be searched for OpenMP's symbols
+(Windows: ``ctypes.CDLL(None)`` raises ``TypeError``) — :func:`pool_workers`
+is 1: the passes then run as plain torch ops on the calling thread. Each case
+is detected once per process. The environment variable
+:data:`WORKERS_ENV_VAR` sets the pool by hand.
 """
 
 from __future__ import annotations
@@ -48,8 +57,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "SERIAL_ELEMENTS",
+    "WORKERS_ENV_VAR",
     "call_with_threads",
     "limit_threads",
+    "pool_workers",
     "threads_for",
     "threads_per_call",
 ]
@@ -59,17 +70,23 @@ __all__ = [
 #: costs, and one thread is about as fast as two on a quiet machine too.
 SERIAL_ELEMENTS = 1 << 22
 
+WORKERS_ENV_VAR = "RLMATH_CPU_WORKERS"
+"""Environment variable that sets the worker pool of the CPU passes, read at its first use:
+``0`` turns the pool off (every pass on the calling thread), a positive ``N`` runs
+each pass on at most ``N`` workers instead of ``torch.get_num_threads()``."""
+
 
 @functools.cache
 def _openmp() -> Any:
     """The OpenMP runtime torch runs its CPU ops on, or None (another backend, or not found)."""
     if "OpenMP" not in torch.__config__.parallel_info():
-        return None
+        return None  # TBB or torch's own pool: no per-thread count to set
     try:
         # torch loads its OpenMP runtime into the process: its symbols are visible.
         lib = ctypes.CDLL(None)
         get, set_ = lib.omp_get_max_threads, lib.omp_set_num_threads
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
+        # TypeError: a platform whose CDLL needs a file name (Windows).
         return None
     get.restype, get.argtypes = ctypes.c_int, []
     set_.restype, set_.argtypes = None, [ctypes.c_int]
@@ -99,6 +116,40 @@ def _mkl_local() -> Any:
     if fn is not None:
         fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
     return fn
+
+
+@functools.cache
+def _workers_setting() -> int | None:
+    """:data:`WORKERS_ENV_VAR` as a count (``None``: unset), checked once."""
+    raw = os.environ.get(WORKERS_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{WORKERS_ENV_VAR} must be 0 (no worker pool) or a positive number of "
+            f"workers, got {raw!r}"
+        )
+    return value
+
+
+def pool_workers() -> int:
+    """Most workers a CPU pass may run on: 1 when the pool is off.
+
+    Off where the per-thread OpenMP count cannot be set (the workers would
+    each run torch's full count of threads) or :data:`WORKERS_ENV_VAR` is
+    ``0``; a positive value of that variable, else ``torch.get_num_threads()``.
+
+    Raises:
+        ValueError: :data:`WORKERS_ENV_VAR` is neither a non-negative integer nor empty.
+    """
+    setting = _workers_setting()
+    if setting == 0 or _openmp() is None:
+        return 1
+    return setting if setting is not None else max(1, torch.get_num_threads())
 
 
 def threads_for(elements: int, device: torch.device) -> int:

@@ -50,7 +50,7 @@ def test_mm_within_the_rounding_bound_of_fp64(onednn, m, k, n, with_bias):
         assert torch.equal(t, t0)  # no input is written
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(2, 5, 3), (64, 700, 200)])
+@pytest.mark.parametrize(("m", "k", "n"), [(2, 5, 3), (64, 700, 200), (1100, 40, 1000)])
 def test_add_mm_writes_then_accumulates_within_the_rounding_bound(onednn, m, k, n):
     a, b = _operands(m, k, n, seed=1)
     acc = torch.full((m, n), float("nan"))
@@ -65,6 +65,29 @@ def test_add_mm_writes_then_accumulates_within_the_rounding_bound(onednn, m, k, 
     scale2 = first.abs() + a2.double().abs() @ b2.double().abs()
     # One rounded product (γ_k) and one rounded addition: within γ_(k+1).
     assert ((acc.double() - exact2).abs() <= gamma(k + 1) * scale2).all()
+
+
+def test_add_mm_forms_onednn_products_of_at_most_product_elements(monkeypatch):
+    # A product the size of a head's weight tile, formed whole once per block
+    # and worker, made the process's resident memory grow by as much.
+    if not cpu_matmul.onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    linear = cpu_matmul._onednn_linear()
+    sizes = []
+
+    def spy(*args):
+        out = linear(*args)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(cpu_matmul, "_onednn_linear", lambda: spy)
+    m, k, n = 2432, 64, 1024  # a 2432-entry tile's grad_weight for H = 1024: 9.5 MiB
+    a, b = _operands(m, k, n, seed=3)
+    acc = torch.empty(m, n)
+    cpu_matmul.add_mm_(acc, a, b, first=True, onednn=True)
+    assert sum(sizes) == m * n and max(sizes) <= cpu_matmul.PRODUCT_ELEMENTS
+    exact, scale = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+    assert ((acc.double() - exact).abs() <= gamma(k) * scale).all()
 
 
 def test_a_transposed_left_operand(onednn):

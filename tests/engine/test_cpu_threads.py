@@ -23,16 +23,8 @@ from rlmath._threads import (
     limit_threads,
     threads_for,
 )
-from rlmath.engine.torch_backend.workers import for_each_block, for_each_chunk
+from rlmath.engine.workers import for_each_block, for_each_chunk
 from tests.memory_tracker import MemoryTracker
-
-
-@pytest.fixture
-def threads():
-    """Set torch's thread count inside a test; restored afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def _logits(n=2500, v=1000, seed=0):
@@ -379,28 +371,6 @@ def test_for_each_block_keeps_a_dispatch_mode_on_the_calling_thread():
         for_each_block(5, 4, work, dict, 4, along_rows=True, along_columns=False)
     assert ids == {threading.get_ident()}
     assert len(mem.allocations) == 20
-
-
-@pytest.fixture
-def workers_used(monkeypatch):
-    """The worker count of every chunked pass run during the test."""
-    import rlmath.engine.torch_backend as tb
-    from rlmath.engine.torch_backend.workers import for_each_block
-
-    used = []
-
-    def spy(ranges, work, scratch, workers):
-        used.append(workers)
-        return for_each_chunk(ranges, work, scratch, workers)
-
-    def block_spy(rows, columns, work, scratch, workers, **order):
-        used.append(workers)
-        return for_each_block(rows, columns, work, scratch, workers, **order)
-
-    for name in ("logits_forward", "logits_backward"):
-        monkeypatch.setattr(getattr(tb, name), "for_each_chunk", spy)
-    monkeypatch.setattr(tb.head_blocks, "for_each_block", block_spy)
-    return used
 
 
 @pytest.mark.parametrize(

@@ -322,9 +322,16 @@ def test_optimal_token_baseline(seed, name, handle_zero_tail, with_is):
         handle_zero_tail=handle_zero_tail,
     )
     av, rv = _theirs(name)(**kw)
-    a, r = _ours(name)(**kw)
+    a, r = _ours(name)(**_rlmath_names(kw))
     assert_close(a[mask], av[mask], **TOL, msg=f"{name} advantages")
     assert_close(r[mask], rv[mask], **TOL, msg=f"{name} returns")
+
+
+def _rlmath_names(kw: dict) -> dict:
+    """verl's keyword ``old_log_probs`` is ``old_log_prob`` in rlmath (as everywhere else)."""
+    kw = dict(kw)
+    kw["old_log_prob"] = kw.pop("old_log_probs")
+    return kw
 
 
 # --------------------------------------------------------------------------- masked rewards
@@ -404,7 +411,7 @@ def test_optimal_token_baseline_singletons(name):
         sum_pi_squared=spi2,
     )
     av, _ = _theirs(name)(**kw)
-    a, _ = _ours(name)(**kw)
+    a, _ = _ours(name)(**_rlmath_names(kw))
     single = singleton_rows(index)
     keep = mask & ~single[:, None]
     assert_close(a[keep], av[keep], **TOL)

@@ -30,7 +30,11 @@ input values).
 "extra peak MiB" is everything beyond the gradients and the outputs (the
 inputs exist before and are not counted); the percentage also leaves out the
 fp32 buffer of the weight's shape that the memory bound allows for bf16
-weights (for every implementation alike, whether it uses one or not).
+weights (for every implementation alike, whether it uses one or not). "extra
+peak RSS" is the same quantity as the operating system counts it, the peak
+resident set of one forward+backward in a fresh process on a CPU
+(:func:`rlmath.bench.memory.peak_rss_bytes`; ``n/a`` elsewhere): allocator
+caches and the buffers of the matmul libraries are in it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from functools import partial
 import torch
 
 from rlmath.bench import baselines
-from rlmath.bench.memory import peak_bytes
+from rlmath.bench.memory import RssCase, peak_bytes, peak_rss_bytes
 from rlmath.bench.setting import (
     Setting,
     check_repeats,
@@ -62,6 +66,7 @@ __all__ = [
     "bench_case",
     "implementations",
     "matmul_library",
+    "rss_case",
     "run",
 ]
 
@@ -149,6 +154,50 @@ def _errors(fn: Impl, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return f"{e_lp:.1e} / {e_ent:.1e}"
 
 
+def _inputs(
+    n: int, h: int, v: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Hidden states, weight, labels and upstream gradients (seeded: the same in every process)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
+    weight = (torch.randn(v, h, generator=g) * h**-0.5 * 2).to(dtype).to(device)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
+    return hidden, weight, labels, grads
+
+
+def rss_case(n: int, h: int, v: int, dtype: str, impl: str, peers: bool) -> RssCase:
+    """The case of :func:`bench_case` on a CPU for :func:`~rlmath.bench.memory.peak_rss_bytes`."""
+    torch_dtype = floating_dtype(dtype)
+    hidden, weight, labels, grads = _inputs(n, h, v, torch_dtype, torch.device("cpu"))
+    fn = implementations(find_peers(peers), torch_dtype)[impl]
+    rows = min(64, n)
+    return (
+        lambda: _forward_backward(
+            fn, hidden[:rows], weight, labels[:rows], [g[:rows] for g in grads]
+        ),
+        lambda: _forward_backward(fn, hidden, weight, labels, grads),
+    )
+
+
+def _rss_extra(
+    setting: Setting, n: int, h: int, v: int, dtype: torch.dtype, impl: str
+) -> int | None:
+    """:func:`~rlmath.bench.memory.peak_rss_bytes` of one implementation, ``None`` off a CPU."""
+    if setting.device.type != "cpu" or not setting.rss:
+        return None
+    case = {"n": n, "h": h, "v": v, "dtype": str(dtype).replace("torch.", ""), "impl": impl,
+            "peers": setting.peers}  # fmt: skip
+    # The child runs the head's matmuls where this process does.
+    choice = "onednn" if cpu_matmul.uses_onednn(torch.float32, setting.device) else "blas"
+    return peak_rss_bytes(
+        "rlmath.bench.fused_head",
+        case,
+        threads=torch.get_num_threads(),
+        env={cpu_matmul.ENV_VAR: choice},
+    )
+
+
 def bench_case(
     setting: Setting,
     n: int,
@@ -160,11 +209,7 @@ def bench_case(
 ) -> list[list[str]]:
     """The rows of one ``N×H×V`` shape and dtype."""
     device = setting.device
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
-    weight = (torch.randn(v, h, generator=g) * h**-0.5 * 2).to(dtype).to(device)
-    labels = torch.randint(0, v, (n,), generator=g).to(device)
-    grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
+    hidden, weight, labels, grads = _inputs(n, h, v, dtype, device)
     impls = implementations(peers, dtype, device)
     peaks = {}
     for name, fn in impls.items():  # also the warm-up
@@ -174,6 +219,7 @@ def bench_case(
         peaks[name] = peak - sum(t.numel() * t.element_size() for t in kept)
         del kept
         release_memory(device)
+    rss = {name: _rss_extra(setting, n, h, v, dtype, name) for name in impls}
     runs: dict[str, Callable[[], object]] = {
         name: partial(_forward_backward, fn, hidden, weight, labels, grads)
         for name, fn in impls.items()
@@ -186,6 +232,7 @@ def bench_case(
     base = times["unfused"]
     rows = []
     for name, fn in impls.items():
+        extra_rss = rss[name]
         rows.append(
             [
                 f"{n}×{h}×{v}",
@@ -195,10 +242,18 @@ def bench_case(
                 f"{times[name] / base:.2f}",
                 f"{peaks[name] / 2**20:.0f}",
                 f"{100 * (peaks[name] - allowance) / fp32_logits:.1f}%",
+                _mib(extra_rss),
+                "n/a"
+                if extra_rss is None
+                else f"{100 * (extra_rss - allowance) / fp32_logits:.1f}%",
                 _errors(fn, hidden, weight, labels),
             ]
         )
     return rows
+
+
+def _mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
 def run(

@@ -16,11 +16,14 @@ by run (so that load from other processes hits every implementation alike):
 Columns: median forward time and forward+backward time over the repeats
 (after a warm-up) and the ratio to ``naive log_softmax+gather`` on the same
 logits (also for the functions that add the entropy); the extra peak memory
-beyond the logits and their gradient, measured once per implementation
-(:func:`rlmath.bench.memory.peak_bytes`: deterministic on CPU), as a share of
-the logits' fp32 size; the largest error of the log-probs (and entropy)
-against fp64 math on the first 256 rows (bf16 logits: fp64 of the same bf16
-values).
+of one forward+backward beyond the logits and their gradient, measured once
+per implementation, as a share of the logits' fp32 size, twice: the tensors
+the call allocates (:func:`rlmath.bench.memory.peak_bytes`, deterministic on
+CPU) and the peak RSS of the call in a fresh process on a CPU
+(:func:`rlmath.bench.memory.peak_rss_bytes`: what the operating system
+counts, allocator caches and libraries' buffers included; ``n/a`` elsewhere);
+the largest error of the log-probs (and entropy) against fp64 math on the
+first 256 rows (bf16 logits: fp64 of the same bf16 values).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 import rlmath as R
 from rlmath.bench import baselines
-from rlmath.bench.memory import peak_bytes
+from rlmath.bench.memory import RssCase, peak_bytes, peak_rss_bytes
 from rlmath.bench.setting import (
     BenchSettingError,
     Setting,
@@ -51,6 +54,7 @@ __all__ = [
     "QUICK_SHAPES",
     "bench_case",
     "implementations",
+    "rss_case",
     "run",
 ]
 
@@ -137,6 +141,39 @@ def _errors(fn: Impl, x: torch.Tensor, labels: torch.Tensor) -> str:
     return " / ".join(f"{e:.1e}" for e in errs)
 
 
+def _inputs(
+    n: int, v: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The logits, labels and upstream gradients of a case (seeded: the same in every process)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, v, generator=g) * 2).to(dtype).to(device)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
+    return x, labels, grads
+
+
+def _forward_backward(
+    fn: Impl, x: torch.Tensor, labels: torch.Tensor, grads: list[torch.Tensor]
+) -> torch.Tensor:
+    """One forward+backward of ``fn``; returns the gradient of the logits."""
+    leaf = x.detach().requires_grad_()
+    outs = fn(leaf, labels)
+    torch.autograd.backward(list(outs), grads[: len(outs)])
+    assert leaf.grad is not None
+    return leaf.grad
+
+
+def rss_case(n: int, v: int, dtype: str, impl: str, with_entropy: bool, peers: bool) -> RssCase:
+    """The case of :func:`bench_case` on a CPU for :func:`~rlmath.bench.memory.peak_rss_bytes`."""
+    x, labels, grads = _inputs(n, v, floating_dtype(dtype), torch.device("cpu"))
+    fn = implementations(with_entropy, find_peers(peers))[impl]
+    rows = min(64, n)
+    return (
+        lambda: _forward_backward(fn, x[:rows], labels[:rows], [g[:rows] for g in grads]),
+        lambda: [_forward_backward(fn, x, labels, grads)],
+    )
+
+
 def bench_case(
     setting: Setting,
     n: int,
@@ -148,10 +185,7 @@ def bench_case(
 ) -> list[list[str]]:
     """The rows of one ``(n, v)`` logits shape, dtype and function."""
     device = setting.device
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(n, v, generator=g) * 2).to(dtype).to(device)
-    labels = torch.randint(0, v, (n,), generator=g).to(device)
-    grads = [torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)]
+    x, labels, grads = _inputs(n, v, dtype, device)
     impls = implementations(with_entropy, peers)
 
     def forward(fn: Impl) -> None:
@@ -159,9 +193,7 @@ def bench_case(
             fn(x, labels)
 
     def forward_backward(fn: Impl) -> None:
-        leaf = x.detach().requires_grad_()
-        outs = fn(leaf, labels)
-        torch.autograd.backward(list(outs), grads[: len(outs)])
+        _forward_backward(fn, x, labels, grads)
 
     for fn in impls.values():  # warm-up, on a slice
         with torch.no_grad():
@@ -180,6 +212,12 @@ def bench_case(
         # The gradient of the logits is not extra: every implementation returns one.
         _, peak = peak_bytes(partial(forward_backward, fn), device)
         peak -= grad_bytes
+        rss = None
+        if device.type == "cpu" and setting.rss:
+            case = {"n": n, "v": v, "dtype": str(dtype).replace("torch.", ""), "impl": name,
+                    "with_entropy": with_entropy, "peers": setting.peers}  # fmt: skip
+            threads = torch.get_num_threads()
+            rss = peak_rss_bytes("rlmath.bench.logprobs", case, threads=threads)
         rows.append(
             [
                 f"[{n}, {v}]",
@@ -192,6 +230,8 @@ def bench_case(
                 f"{mb / base_b:.2f}",
                 f"{peak / 2**20:.0f}",
                 f"{100 * peak / fp32_bytes:.1f}%",
+                "n/a" if rss is None else f"{rss / 2**20:.0f}",
+                "n/a" if rss is None else f"{100 * rss / fp32_bytes:.1f}%",
                 _errors(fn, x, labels),
             ]
         )

@@ -1,4 +1,4 @@
-"""Tensor memory of an operation: a deterministic allocation tracker, and device peaks.
+"""Memory of an operation: a deterministic allocation tracker, device peaks, and peak RSS.
 
 :class:`MemoryTracker` is a ``TorchDispatchMode``: every ATen op that runs
 while it is active (forward, and backward too, as autograd carries the mode
@@ -24,6 +24,17 @@ bounds with it.
 CPU, ``torch.cuda.max_memory_allocated`` on a CUDA device (the caching
 allocator's own count, in its block sizes; cheap enough to leave on).
 
+The tracker does not see memory the C library's allocator keeps after a
+free, buffers that libraries (oneDNN, MKL) allocate inside a call, or the
+pages of code and data a first call loads. :func:`peak_rss_bytes` measures
+what the operating system counts instead: the peak resident set of one call
+in a fresh process (Linux: ``VmHWM`` after resetting it through
+``/proc/self/clear_refs``), beyond the resident set just before the call and
+the results the call leaves. The call is made once on a small slice of the
+same inputs first, so that the imports and one-time set-up of a first call in
+a process (torch's custom-operator machinery imports ``torch._dynamo`` on a
+process's first call of any such operator: about 75 MiB) are not counted.
+
 Usage::
 
     with MemoryTracker() as mem:
@@ -36,6 +47,12 @@ Usage::
 
 from __future__ import annotations
 
+import gc
+import importlib
+import json
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +64,19 @@ from torch.utils._pytree import tree_flatten
 
 from rlmath._operators import python_body
 
-__all__ = ["Allocation", "MemoryTracker", "peak_bytes"]
+__all__ = [
+    "Allocation",
+    "MemoryTracker",
+    "RssCase",
+    "peak_bytes",
+    "peak_rss_bytes",
+    "rss_measurable",
+]
+
+#: ``(warm_up, call)`` of a case measured by :func:`peak_rss_bytes`: ``warm_up()``
+#: runs the operation on a small slice, ``call()`` runs it once and returns the
+#: tensors it leaves whose bytes are not counted (gradients, outputs).
+RssCase = tuple[Callable[[], object], Callable[[], list[torch.Tensor]]]
 
 T = TypeVar("T")
 
@@ -151,3 +180,60 @@ def peak_bytes(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
     with MemoryTracker() as mem:
         out = fn()
     return out, mem.peak_bytes
+
+
+def rss_measurable() -> bool:
+    """Whether this system can reset and read a process's peak RSS (Linux's ``/proc``)."""
+    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_rss_bytes(
+    module: str, case: dict[str, Any], *, threads: int, env: dict[str, str] | None = None
+) -> int | None:
+    """Peak RSS of one call of a benchmark case in a fresh process, beyond what it starts from.
+
+    ``module`` (``rlmath.bench.logprobs``, ...) provides ``rss_case(**case) ->``
+    :data:`RssCase`. The child process sets ``threads`` intra-op threads (and
+    ``env`` on top of this process's environment), runs ``warm_up()``, resets
+    its peak RSS, runs ``call()`` and reports the peak above the resident set
+    just before the call, less the bytes of the tensors ``call()`` returns.
+    ``None`` where :func:`rss_measurable` is false. Raises ``RuntimeError``
+    with the child's output if it fails.
+    """
+    if not rss_measurable():
+        return None
+    code = "import sys; from rlmath.bench.memory import _rss_child; _rss_child(sys.argv[1])"
+    spec = json.dumps({"module": module, "case": case, "threads": threads})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, spec],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"peak RSS of {module} {case} failed:\n{proc.stdout}{proc.stderr}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(spec_json: str) -> None:
+    """The child process of :func:`peak_rss_bytes`: prints the extra peak RSS in bytes."""
+    spec = json.loads(spec_json)
+    torch.set_num_threads(spec["threads"])
+    warm_up, call = importlib.import_module(spec["module"]).rss_case(**spec["case"])
+    warm_up()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status_bytes("VmRSS")
+    kept = call()
+    peak = _status_bytes("VmHWM")
+    print(peak - before - sum(t.numel() * t.element_size() for t in kept), flush=True)

@@ -51,11 +51,16 @@ class BenchSettingError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
-    """The device, the peers switch and the load of a benchmark run."""
+    """The device, the peers switch and the load of a benchmark run.
+
+    ``rss``: the memory columns also report peak RSS, measured in a fresh
+    process per case (:func:`rlmath.bench.memory.peak_rss_bytes`, CPU only).
+    """
 
     device: torch.device
     peers: bool
     load: BusyLoad
+    rss: bool = True
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -97,6 +102,7 @@ def session(
     busy_cores: int = 0,
     threads: int | None = None,
     peers: bool = True,
+    rss: bool = True,
 ) -> Iterator[Setting]:
     """Fix the device, the thread count and the load for a run; undo all of it on exit.
 
@@ -104,6 +110,7 @@ def session(
     run and restores the previous one afterwards. ``busy_cores`` processes
     keep that many cores busy until the block ends (also on an exception or
     Ctrl-C). ``peers``: include verl / TRL / TorchRL where they import.
+    ``rss``: also measure peak RSS (:class:`Setting`).
     """
     dev = check_device(device)
     try:
@@ -120,7 +127,7 @@ def session(
         torch.set_num_threads(threads)
     try:
         with BusyLoad(busy_cores) as load:
-            yield Setting(device=dev, peers=peers, load=load)
+            yield Setting(device=dev, peers=peers, load=load, rss=rss)
     finally:
         torch.set_num_threads(previous)
         if not frozen_before:  # else the caller froze objects of its own: leave them so

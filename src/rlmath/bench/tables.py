@@ -23,6 +23,8 @@ LOGPROBS_HEADER = [
     "fwd+bwd ×naive",
     "extra peak MiB",
     "extra / fp32 logits",
+    "extra peak RSS MiB",
+    "RSS / fp32 logits",
     "max err vs fp64 (logp / H)",
 ]
 
@@ -37,6 +39,8 @@ def fused_header(time_unit: str) -> list[str]:
         "× unfused",
         "extra peak MiB",
         "extra (− fp32 W buffer if half) / fp32 logits",
+        "extra peak RSS MiB",
+        "RSS (− fp32 W buffer if half) / fp32 logits",
         "max err vs fp64 (logp / H)",
     ]
 

@@ -1,17 +1,23 @@
 """Process groups by name, and the few collectives the engine runs.
 
 The engine's operators take plain values only, so a process group travels as
-its name. :func:`group_name` records a group under its name when a call is
-prepared and :func:`resolve_group` finds it inside the operator. The empty
-name is a world of one process: every collective is then the identity, as is
-every collective over a group of one rank or without an initialized
-``torch.distributed``.
+its name. :func:`group_name` gives the name when a call is prepared and
+:func:`resolve_group` finds the group inside the operator through
+``torch.distributed``'s own registry of names (the one its functional
+collectives resolve names in), which forgets a group when
+``destroy_process_group`` destroys it: rlmath keeps no reference to a group,
+so a destroyed group is freed. The empty name is a world of one process: every
+collective is then the identity, as is every collective over a group of one
+rank or without an initialized ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 __all__ = [
     "ProcessGroup",
@@ -24,8 +30,6 @@ __all__ = [
 ]
 
 ProcessGroup = dist.ProcessGroup
-
-_GROUPS: dict[str, ProcessGroup] = {}
 
 
 def _initialized() -> bool:
@@ -56,21 +60,25 @@ def group_name(group: ProcessGroup | None) -> str:
         return ""
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None
-    name = pg.group_name
-    _GROUPS[name] = pg
-    return name
+    return str(pg.group_name)
 
 
 def resolve_group(name: str) -> ProcessGroup | None:
-    """The group recorded under ``name``; ``None`` for ``""`` (a world of one)."""
+    """The live group named ``name`` in this process; ``None`` for ``""`` (a world of one).
+
+    Raises:
+        RuntimeError: no live group has that name (it was destroyed, or
+            created in another process).
+    """
     if not name:
         return None
     try:
-        return _GROUPS[name]
-    except KeyError:
+        # The name's type is a NewType of str in newer torch (GroupName).
+        return distributed_c10d._resolve_process_group(cast(Any, name))
+    except RuntimeError:
         raise RuntimeError(
-            f"process group {name!r} is unknown in this process: it must be passed to "
-            "an rlmath function (which records it) before an operator that uses it runs"
+            f"process group {name!r} is unknown in this process: it was destroyed "
+            "(destroy_process_group) or never created here"
         ) from None
 
 

@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.library import register_vmap
+from torch.utils.flop_counter import register_flop_formula
 
 from rlmath._operators import operator
 from rlmath._validation import result_dtype
@@ -272,3 +273,31 @@ for _op in (
     sum_pi_squared,
 ):
     register_vmap(_op, _loop_vmap(_op))
+
+
+# ------------------------------------------------------------------ FLOP counts
+
+# torch.utils.flop_counter.FlopCounterMode sees each operator as one op: its
+# count is that of the matmuls the fused head runs (it counts matmuls only; the
+# logits operators have none). A shape is a tuple of ints, ``ints[9]`` the real
+# columns of the weight (-1: all, :meth:`OpConfig.op_args`).
+
+
+def _head_matmul_flops(hidden: Tuple[int, ...], weight: Tuple[int, ...], ints: List[int]) -> int:
+    """FLOPs of one ``(N, H) @ (H, V)`` product over the weight's real rows."""
+    real = weight[0] if ints[9] < 0 else ints[9]
+    return 2 * hidden[0] * hidden[1] * real
+
+
+@register_flop_formula(torch.ops.rlmath.head_forward)
+def _head_forward_flops(hidden, weight, bias, labels, temperature, backend, group, floats, ints,
+                        out_shape=None):  # fmt: skip
+    return _head_matmul_flops(hidden, weight, ints)
+
+
+@register_flop_formula(torch.ops.rlmath.head_backward)
+def _head_backward_flops(grad_logp, grad_entropy, hidden, weight, bias, labels, temperature,
+                         lse, entropy, need_hidden, need_weight, need_bias, backend, group,
+                         floats, ints, out_shape=None):  # fmt: skip
+    # Each block's logits are recomputed, then multiplied into each gradient asked for.
+    return _head_matmul_flops(hidden, weight, ints) * (1 + int(need_hidden) + int(need_weight))

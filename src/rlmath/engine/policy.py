@@ -18,7 +18,7 @@ with a fork/join of the intra-op threads.
   ``[8192, 32000]``, forward of log-probs + entropy: on an Intel Xeon (2 MiB
   L2 per core, every op on OpenMP threads) 8 rows per chunk 150 ms, 32 rows
   205 ms, 256 rows 217 ms; on an AMD EPYC (1 MiB L2, chunks shared out over
-  worker threads, :mod:`rlmath.engine.torch_backend.workers`; median of 9)
+  worker threads, :mod:`rlmath.engine.execution`; median of 9)
   8 rows 216 ms, 16 rows 198 ms, 24 rows 198 ms (forward+backward 729, 694,
   717 ms); for V = 151936 4 to 8 rows are fastest.
 * Other devices (CUDA): every op is a kernel launch, so fewer, larger chunks
@@ -59,13 +59,14 @@ import math
 
 import torch
 
+from rlmath.engine.execution import row_multiple
+
 __all__ = [
     "ACCELERATOR_BLOCK_ELEMENTS",
     "ACCELERATOR_ROWS",
     "CPU_CHUNK_BYTES",
     "DEFAULT_BLOCK_ELEMENTS",
     "DEFAULT_ROWS",
-    "HEAD_WORKERS",
     "MATMUL_PIECE_ROWS",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
@@ -110,9 +111,6 @@ TILE_ALIGN = 128
 
 MATMUL_PIECE_ROWS = 512
 """Most rows of one piece of a fused-head chunk on a CPU (see :func:`matmul_piece`)."""
-
-HEAD_WORKERS = 8
-"""Most worker threads of a fused-head pass on a CPU (each holds one block's buffers)."""
 
 _ACCELERATOR_MAX_FRACTION = 48
 # Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
@@ -159,17 +157,17 @@ def auto_chunk_size(
         Positive int.
     """
     row_bytes = 4 * max(1, vocab_size)
-    threads = max(1, torch.get_num_threads())
+    multiple = row_multiple()
     if is_cpu(device):
-        rows = max(CPU_CHUNK_BYTES // row_bytes, 2 * threads)
+        rows = max(CPU_CHUNK_BYTES // row_bytes, 2 * multiple)
     else:
         lo = max(1, MIN_CHUNK_BYTES // row_bytes)
         hi = max(1, MAX_CHUNK_BYTES // row_bytes)
         rows = lo if num_rows is None else min(max(num_rows // TARGET_CHUNKS, lo), hi)
     if num_rows is not None:
         rows = min(rows, max(1, num_rows))
-    if rows >= threads:
-        rows -= rows % threads
+    if rows >= multiple:
+        rows -= rows % multiple
     return rows
 
 
@@ -250,7 +248,7 @@ def matmul_piece(length: int, device: torch.device | str | None = None) -> int:
     On a CPU the chunk is cut evenly into pieces of at most
     :data:`MATMUL_PIECE_ROWS` rows, and every piece × vocabulary tile is one
     block: one task for a worker thread, whose matmuls run on that thread
-    (:func:`rlmath.engine.torch_backend.workers.for_each_block`), so that a
+    (:func:`rlmath.engine.execution.run_blocks`), so that a
     core taken by another process slows one worker instead of holding every
     thread of an OpenMP matmul at its barrier. The rows of a piece are the
     inner dimension of its ``grad_weight`` matmul: measured on 2 quiet AMD

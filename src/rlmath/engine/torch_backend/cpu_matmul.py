@@ -32,7 +32,7 @@ import platform
 
 import torch
 
-__all__ = ["ENV_VAR", "add_mm_", "mm", "onednn_available", "uses_onednn"]
+__all__ = ["ENV_VAR", "PRODUCT_ELEMENTS", "add_mm_", "mm", "onednn_available", "uses_onednn"]
 
 ENV_VAR = "RLMATH_CPU_MATMUL"
 """Environment variable that overrides :func:`uses_onednn`: ``onednn`` or ``blas``."""
@@ -121,6 +121,10 @@ def mm(
     return torch.addmm(bias, a, b, out=out)
 
 
+PRODUCT_ELEMENTS = 512 * 1024
+"""Most entries of one oneDNN product that :func:`add_mm_` adds (2 MiB in fp32)."""
+
+
 def add_mm_(
     acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool, onednn: bool
 ) -> None:
@@ -128,7 +132,12 @@ def add_mm_(
 
     Shape: ``acc (m, n)``, ``a (m, k)``, ``b (k, n)``. With torch's BLAS the
     product is added inside the GEMM; with oneDNN it is formed in a new tensor
-    and then added. With ``k = 0`` torch's path runs.
+    and then added, in pieces of rows of at most :data:`PRODUCT_ELEMENTS`
+    entries: a product as large as a head's weight tile (the fused head's
+    ``grad_weight``, 9.5 MiB for 2432 × 1024) formed whole, once per block
+    and worker, made the process's memory grow by that much per worker beyond
+    what the head's buffers take (each row of the product is the same sum of
+    ``k`` terms however the rows are cut). With ``k = 0`` torch's path runs.
     """
     if not onednn or a.shape[1] == 0:
         if first:
@@ -137,8 +146,11 @@ def add_mm_(
             acc.addmm_(a, b)
         return
     linear = _onednn_linear()
-    product = linear(a, b.T, None, "none", [], "")  # type: ignore[operator]
-    if first:
-        acc.copy_(product)
-    else:
-        acc.add_(product)
+    w = b.T
+    step = max(1, PRODUCT_ELEMENTS // max(1, acc.shape[1]))
+    for r0 in range(0, a.shape[0], step):
+        product = linear(a[r0 : r0 + step], w, None, "none", [], "")  # type: ignore[operator]
+        if first:
+            acc[r0 : r0 + step].copy_(product)
+        else:
+            acc[r0 : r0 + step].add_(product)

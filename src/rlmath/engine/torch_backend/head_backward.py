@@ -7,10 +7,8 @@ log-sum-exp, so a tile needs nothing from the others), then fed to two
 matmuls and a sum: ``grad_hidden[rows] += g @ weight_tile``,
 ``grad_weight[tile] += g.T @ hidden_rows`` and ``grad_bias[tile] += Σ g``.
 The blocks of a row add into its ``grad_hidden`` in tile order, those of a
-tile into its ``grad_weight`` in row order; on a CPU the blocks are shared out
-over the workers within those two orders
-(:func:`~rlmath.engine.torch_backend.workers.for_each_block`), each block one
-worker task on one thread, so the sums do not depend on the thread count.
+tile into its ``grad_weight`` in row order, whoever runs which block
+(:func:`rlmath.engine.execution.run_blocks`), so the sums are added in one order.
 
 On a CPU the fp32 matmuls run in oneDNN on x86 CPUs that are not Intel's,
 else in torch's BLAS (:mod:`~rlmath.engine.torch_backend.cpu_matmul`). For

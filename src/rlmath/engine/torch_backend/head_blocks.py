@@ -2,13 +2,12 @@
 
 Shared by the head's forward and backward passes, which are written per
 block: :meth:`HeadBlocks.run` calls them for every block of the grid of row
-spans × vocabulary tiles. On a CPU the rows are cut finely
-(:func:`rlmath.engine.policy.matmul_piece`) and the blocks shared out over
-worker threads in the order :func:`~rlmath.engine.torch_backend.workers.for_each_block`
-allows, each block's matmuls on one thread, followed by its elementwise passes
-in L2-sized slices (:func:`rlmath.engine.policy.elementwise_rows`). On an
-accelerator a block is a whole chunk × tile, run in order (every op is a
-kernel launch). Each worker owns its block buffers (:class:`BlockScratch`);
+spans × vocabulary tiles (:func:`rlmath.engine.execution.run_blocks`). On a
+CPU the rows are cut finely (:func:`rlmath.engine.policy.matmul_piece`), and
+each block's matmuls are followed by its elementwise passes in L2-sized
+slices (:func:`rlmath.engine.policy.elementwise_rows`). On an accelerator a
+block is a whole chunk × tile, run in order (every op is a kernel launch).
+Whoever runs a block owns its block buffers (:class:`BlockScratch`);
 where a CPU's fp32 matmuls run in oneDNN
 (:mod:`~rlmath.engine.torch_backend.cpu_matmul`), which writes its results
 to new tensors, a block's logits are a new tensor instead of a buffer.
@@ -23,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 from rlmath import _device
+from rlmath.engine.execution import run_blocks
 from rlmath.engine.policy import (
-    HEAD_WORKERS,
     elementwise_rows,
     is_cpu,
     matmul_piece,
@@ -33,7 +32,6 @@ from rlmath.engine.policy import (
 )
 from rlmath.engine.torch_backend import cpu_matmul
 from rlmath.engine.torch_backend.buffers import TileWorkspace
-from rlmath.engine.torch_backend.workers import for_each_block, pass_workers
 
 __all__ = ["BlockScratch", "HeadBlocks"]
 
@@ -105,18 +103,12 @@ class HeadBlocks:
             self.block_rows = self.row_spans
             unit = c_max
         else:
-            # A CPU: each chunk cut into pieces of rows, every piece × tile one
-            # block, one worker task; each of at most HEAD_WORKERS workers holds
-            # one block's buffers.
+            # A CPU: each chunk cut into pieces of rows, every piece × tile one block.
             piece = matmul_piece(c_max, hidden.device)
             self.block_rows = [
                 (r0 + a, r0 + b) for r0, r1 in self.row_spans for a, b in spans(r1 - r0, piece)
             ]
             unit = min(piece, c_max)
-        self.workers = min(
-            HEAD_WORKERS,
-            pass_workers(hidden.device, len(self.block_rows) * len(self.tile_spans)),
-        )
         self.dtype = dtype
         self._unit, self._w_max = unit, w_max
         self.sub = elementwise_rows(unit, w_max, hidden.device)
@@ -147,21 +139,15 @@ class HeadBlocks:
 
         ``along_rows``: the blocks of a row run in tile order (they add into
         that row's outputs); ``along_columns``: the blocks of a tile run in row
-        order. On an accelerator every block runs in order, row by row, on the
-        calling thread (one scratch, so per-row buffers can be reused).
+        order. On an accelerator every block runs in order, row by row, with
+        one scratch, so per-row buffers can be reused.
         """
-        if self.row_major:
-            buffers = self.scratch()
-            for i in range(len(self.block_rows)):
-                for j in range(len(self.tile_spans)):
-                    work(i, j, buffers)
-            return
-        for_each_block(
+        run_blocks(
             len(self.block_rows),
             len(self.tile_spans),
             work,
             self.scratch,
-            self.workers,
+            self.hidden.device,
             along_rows=along_rows,
             along_columns=along_columns,
         )

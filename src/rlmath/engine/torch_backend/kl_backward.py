@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_kl_grad", "kl_grad"]
 
@@ -121,10 +121,5 @@ def kl_grad(
             temperature=temp.rows(a, b),
         )
 
-    for_each_chunk(
-        ranges,
-        one_chunk,
-        lambda: Workspace(min(chunk, N), real, cdt, dev),
-        pass_workers(dev, len(ranges)),
-    )
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, cdt, dev), dev)
     return gz, gr

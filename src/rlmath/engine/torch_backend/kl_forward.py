@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_kl", "finish_kl", "kl_stats"]
 
@@ -103,10 +103,5 @@ def kl_stats(
         for out, x in zip(stats, chunk_kl(lay_z.get(a, b), lay_r.get(a, b), ws, temp.rows(a, b))):
             out[a:b] = x
 
-    for_each_chunk(
-        ranges,
-        one_chunk,
-        lambda: Workspace(min(chunk, N), real, dtype, dev),
-        pass_workers(dev, len(ranges)),
-    )
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
     return finish_kl(*stats)

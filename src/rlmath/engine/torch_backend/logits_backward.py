@@ -17,11 +17,11 @@ import bisect
 import torch
 
 from rlmath import _device
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource, real_columns
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_grad", "logits_grad"]
 
@@ -177,10 +177,9 @@ def logits_grad(
             assert row_index is not None
             real_columns(grad, real).index_add_(0, row_index[a:b], out)
 
-    # Rows may repeat in row_index: their sums must run in chunk order (the same
-    # result whatever the thread count), so an indexed pass runs on one worker.
-    workers = pass_workers(dev, len(ranges)) if src.index is None else 1
-    for_each_chunk(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, cdt, dev), workers)
+    # Rows may repeat in row_index: their sums must run in chunk order.
+    scratch = lambda: Workspace(min(chunk, M), real, cdt, dev)  # noqa: E731
+    run_chunks(ranges, one_chunk, scratch, dev, in_order=src.index is not None)
     return grad
 
 

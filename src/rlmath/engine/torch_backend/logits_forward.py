@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_stats"]
 
@@ -135,12 +135,7 @@ def logits_stats(
         if t is not None and ct is not None:
             t[a:b] = ct
 
-    for_each_chunk(
-        ranges,
-        one_chunk,
-        lambda: Workspace(min(chunk, M), real, dtype, dev),
-        pass_workers(dev, len(ranges)),
-    )
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
     if labels is not None:
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)

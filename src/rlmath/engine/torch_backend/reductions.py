@@ -31,13 +31,9 @@ _ATEN_GRAIN_SIZE = 32768
 
 
 def _single_long_row(x: torch.Tensor) -> bool:
-    # CPU only: the split is a property of ATen's CPU reduction.
-    return (
-        x.shape[0] == 1
-        and x.shape[1] >= _ATEN_GRAIN_SIZE
-        and x.device.type == "cpu"
-        and torch.get_num_threads() > 1
-    )
+    # CPU only: the split is a property of ATen's CPU reduction (with more than
+    # one intra-op thread; the two-row path is taken whatever the count).
+    return x.shape[0] == 1 and x.shape[1] >= _ATEN_GRAIN_SIZE and x.device.type == "cpu"
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

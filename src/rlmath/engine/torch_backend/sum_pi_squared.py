@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import row_sum, scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.torch_backend.workers import for_each_chunk, pass_workers
 
 __all__ = ["pi_squared_stats"]
 
@@ -40,10 +40,5 @@ def pi_squared_stats(
         m[a:b], s[a:b] = cm.squeeze(-1), row_sum(e)
         u[a:b] = row_sum(e.mul_(e))
 
-    for_each_chunk(
-        ranges,
-        one_chunk,
-        lambda: Workspace(min(chunk, N), real, dtype, dev),
-        pass_workers(dev, len(ranges)),
-    )
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
     return m, s, u

@@ -23,22 +23,39 @@ softmax statistics) or over a column (``grad_weight``):
 :func:`for_each_block` lets a block start once the blocks before it in its
 row and column are done, so every sum is added in the same order whichever
 worker runs which block, and still the workers synchronize once per pass.
+
+A worker computes what the calling thread would have: the calling thread's
+thread-local PyTorch state is captured when a pass starts and entered in every
+worker for the pass (:class:`CallerState`: grad and inference mode, CPU
+autocast, flushing of denormal numbers). ``torch.use_deterministic_algorithms``,
+the default dtype and anomaly detection are process-wide and need nothing.
+A ``TorchDispatchMode`` or ``TorchFunctionMode`` active on the calling thread
+cannot be carried over (it must see the ops, on the thread it lives on): the
+pass then runs on the calling thread alone, as it does when the pool is off
+(:func:`rlmath._threads.pool_workers`).
+
+The engine calls these through :mod:`rlmath.engine.execution` only.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from rlmath._threads import limit_threads
+from rlmath._threads import limit_threads, pool_workers
 
-__all__ = ["for_each_block", "for_each_chunk", "pass_workers"]
+__all__ = ["MAX_BLOCK_WORKERS", "CallerState", "for_each_block", "for_each_chunk", "pass_workers"]
+
+MAX_BLOCK_WORKERS = 8
+"""Most workers of a block pass (the fused head's): each holds one block's buffers."""
 
 W = TypeVar("W")
 
@@ -59,21 +76,86 @@ def _shared_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
+            helpers = max(1, (os.cpu_count() or 1) - 1, pool_workers() - 1)
             _pool = ThreadPoolExecutor(
-                max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="rlmath-chunks"
+                max_workers=helpers,
+                thread_name_prefix="rlmath-chunks",
+                initializer=_start_pool_thread,
             )
         return _pool
 
 
-def _dispatch_mode_active() -> bool:
-    return _get_current_dispatch_mode() is not None
+def _mode_active() -> bool:
+    """Whether a dispatch or function mode is active on the calling thread (it lives there only)."""
+    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
 
 
 def pass_workers(device: torch.device, chunks: int) -> int:
-    """Workers for a pass of ``chunks`` chunks on ``device``: torch's thread count on a CPU."""
+    """Workers for a pass of ``chunks`` chunks on ``device``: 1 off a CPU or with the pool off."""
     if device.type != "cpu" or chunks < 2:
         return 1
-    return max(1, min(torch.get_num_threads(), chunks))
+    return max(1, min(pool_workers(), chunks))
+
+
+# The smallest positive fp32 subnormal: a product of it is 0 exactly when the
+# thread flushes denormal numbers (torch.set_flush_denormal), a per-thread
+# setting of the CPU (x86's MXCSR, Arm's FPCR) that a pool thread started
+# earlier does not share.
+_SUBNORMAL = torch.tensor(torch.finfo(torch.float32).smallest_normal / 2**23, dtype=torch.float32)
+
+
+def _flushes_denormals() -> bool:
+    return torch.mul(_SUBNORMAL, 1.0).item() == 0.0
+
+
+def _start_pool_thread() -> None:
+    # A new thread inherits the denormal setting of the thread that starts it:
+    # a pool thread starts from torch's default (no flushing), which
+    # CallerState.entered then changes only for callers that flush.
+    torch.set_flush_denormal(False)
+
+
+@dataclass(frozen=True)
+class CallerState:
+    """The calling thread's thread-local PyTorch state, captured to be entered in a worker.
+
+    ``autocast`` is the CPU autocast's ``(dtype, cache_enabled)``, ``None`` when it is off.
+    """
+
+    grad: bool
+    inference: bool
+    autocast: tuple[torch.dtype, bool] | None
+    flush_denormal: bool
+
+    @staticmethod
+    def capture() -> CallerState:
+        autocast = None
+        if torch.is_autocast_enabled("cpu"):
+            autocast = (torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
+        return CallerState(
+            grad=torch.is_grad_enabled(),
+            inference=torch.is_inference_mode_enabled(),
+            autocast=autocast,
+            flush_denormal=_flushes_denormals(),
+        )
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """This state on a pool thread inside the block; the thread's own after it."""
+        with ExitStack() as stack:
+            if self.inference:
+                # Tensors made under inference mode may be written only under it.
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.set_grad_enabled(self.grad))
+            if self.autocast is not None:
+                dtype, cache = self.autocast
+                stack.enter_context(torch.autocast("cpu", dtype=dtype, cache_enabled=cache))
+            if self.flush_denormal:
+                # Entered on pool threads only, which do not flush otherwise.
+                torch.set_flush_denormal(True)
+                stack.callback(torch.set_flush_denormal, False)
+            yield
 
 
 def for_each_chunk(
@@ -87,13 +169,13 @@ def for_each_chunk(
     Each worker builds its own scratch (``scratch()``, e.g. a
     :class:`~rlmath.engine.torch_backend.buffers.Workspace`) once and reuses it
     for every range it takes. ``work`` must write only its own rows of shared
-    outputs. With one worker the ranges run in order on the calling thread,
-    as a plain loop. An exception in any worker stops the others after their
-    current range and is raised here.
+    outputs. With one worker, or a dispatch or function mode active (it must
+    see the ops, on this thread), the ranges run in order on the calling
+    thread, as a plain loop. Every worker runs under the calling thread's
+    :class:`CallerState`. An exception in any worker stops the others after
+    their current range and is raised here.
     """
-    if workers > 1 and _dispatch_mode_active():
-        # A TorchDispatchMode (a memory tracker, a tracer) lives on the calling
-        # thread only: the ops must run there for it to see them.
+    if workers > 1 and _mode_active():
         workers = 1
     if workers <= 1:
         buffers = scratch()
@@ -106,9 +188,7 @@ def for_each_chunk(
 
     def worker() -> None:
         buffers = scratch()
-        # Grad mode is per thread: the kernels run inside an operator, never
-        # recorded by autograd, on whichever thread takes the chunk.
-        with torch.no_grad(), limit_threads(1):
+        with limit_threads(1):
             while not failed.is_set():
                 with lock:
                     r = next(todo, None)
@@ -124,9 +204,18 @@ def for_each_chunk(
 
 
 def _share_out(worker: Callable[[], None], workers: int) -> None:
-    """``worker()`` on the calling thread and on ``workers - 1`` pool threads; the first error raised."""
+    """``worker()`` on the calling thread and on ``workers - 1`` pool threads; the first error raised.
+
+    A pool thread runs ``worker`` under the calling thread's :class:`CallerState`.
+    """
     pool = _shared_pool()
-    helpers: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
+    state = CallerState.capture()
+
+    def helper() -> None:
+        with state.entered():
+            worker()
+
+    helpers: list[Future[None]] = [pool.submit(helper) for _ in range(workers - 1)]
     # The calling thread works too: the pass finishes even when every pool
     # thread is busy with other calls (their tasks then find nothing left).
     error: BaseException | None = None
@@ -166,12 +255,13 @@ def for_each_block(
     column stay in the cache), else the next of its row, else the ready block
     of the lowest column. A worker slowed by a busy core holds up only the
     blocks after its own; the others work on elsewhere in the grid, and the
-    workers synchronize once per call. With one worker the blocks run on the
-    calling thread, column by column. An exception in any worker stops the
-    others after their current block and is raised here.
+    workers synchronize once per call. With one worker (or a mode active, see
+    :func:`for_each_chunk`) the blocks run on the calling thread, column by
+    column. An exception in any worker stops the others after their current
+    block and is raised here.
     """
-    if workers > 1 and _dispatch_mode_active():
-        workers = 1  # a TorchDispatchMode sees the calling thread only (see for_each_chunk)
+    if workers > 1 and _mode_active():
+        workers = 1
     if rows <= 0 or columns <= 0:
         return
     if workers <= 1:
@@ -185,7 +275,7 @@ def for_each_block(
     def worker() -> None:
         buffers = scratch()
         done: tuple[int, int] | None = None
-        with torch.no_grad(), limit_threads(1):
+        with limit_threads(1):
             while True:
                 block = grid.take(done)
                 if block is None:

@@ -1,0 +1,46 @@
+"""Process groups travel to the operators by name, and rlmath keeps no reference to them."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlmath.engine import groups
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo world of this process alone, destroyed after the test."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_destroyed_group_is_freed(world_of_one, monkeypatch):
+    pg = dist.new_group([0])
+    # A group of one rank travels as "" (its collectives are the identity): name
+    # this one as a group of several ranks is named, the case that needs a lookup.
+    monkeypatch.setattr(groups, "is_distributed", lambda group=None: True)
+    name = groups.group_name(pg)
+    assert name == pg.group_name
+    assert groups.resolve_group(name) is pg
+    out = groups.all_reduce(torch.ones(3), "sum", groups.resolve_group(name))
+    assert torch.equal(out, torch.ones(3))
+    alive = weakref.ref(pg)
+    dist.destroy_process_group(pg)
+    del pg
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="unknown in this process"):
+        groups.resolve_group(name)
+
+
+def test_the_world_group_resolves_by_its_name(world_of_one, monkeypatch):
+    monkeypatch.setattr(groups, "is_distributed", lambda group=None: True)
+    name = groups.group_name(None)
+    assert groups.resolve_group(name) is dist.group.WORLD
+    assert groups.resolve_group("") is None
