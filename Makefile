@@ -19,7 +19,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_PY := $(DOCS_VENV)/bin/python
 DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
 
-.PHONY: demo test test-triton lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
+.PHONY: demo test test-triton test-gpu-compile lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,34 @@ test-triton: $(TRITON_STAMP)
 	TRITON_INTERPRET=1 $(TRITON_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/engine/test_triton_backend.py tests/engine/test_backends.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The Triton kernels compiled for NVIDIA GPUs on this CPU-only machine, through the
+# real launch code (tests/engine/triton_gpu_check.py): every specialization the
+# wrappers produce, for sm_90 and sm_80 on the newest triton and sm_90 on the oldest
+# one rlmath supports (3.4, its own environment; sm_80 there too with
+# `make test-gpu-compile OLDEST_ARCHS="90 80"`, left out of CI for time). Fails on a
+# compile error, a register spill, or a row stream that is not read 128 bits at a
+# time on an aligned layout; prints registers, shared memory, occupancy and access
+# widths. Compiled kernels and their figures are cached in each environment.
+TRITON_OLDEST ?= 3.4.0
+OLDEST_ARCHS ?= 90
+TRITON_OLDEST_VENV := .venv-triton-oldest
+TRITON_OLDEST_STAMP := $(TRITON_OLDEST_VENV)/.rlmath-installed
+
+$(TRITON_OLDEST_STAMP): pyproject.toml
+	test -x $(TRITON_OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_OLDEST_VENV)
+	echo "torch==2.13.0" > $(TRITON_OLDEST_VENV)/constraints.txt
+	$(TRITON_OLDEST_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRITON_OLDEST_VENV)/bin/python -m pip install -q -c $(TRITON_OLDEST_VENV)/constraints.txt \
+		triton==$(TRITON_OLDEST) 'numpy<2.4'
+	$(TRITON_OLDEST_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(TRITON_OLDEST_STAMP)
+
+test-gpu-compile: $(TRITON_STAMP) $(TRITON_OLDEST_STAMP)
+	$(TRITON_VENV)/bin/python -m tests.engine.triton_gpu_check --jobs 2 --arch 90 80 \
+		--cache $(TRITON_VENV)/gpu-check-cache
+	$(TRITON_OLDEST_VENV)/bin/python -m tests.engine.triton_gpu_check --jobs 2 \
+		--arch $(OLDEST_ARCHS) --cache $(TRITON_OLDEST_VENV)/gpu-check-cache
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/_ext

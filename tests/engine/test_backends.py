@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,160 @@ def test_triton_release_parsing(monkeypatch, version, release):
     requirement = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(requirement)  # does not raise: the version is new enough
     assert requirement.release(version) == release
+
+
+# ------------------------------------------------------------------ "auto" and the self-check
+
+
+def _checked_backend(monkeypatch, **broken):
+    """A ``checked`` backend on fp32 CPU tensors: the torch kernels, with ``broken`` replacing some."""
+    calls: list[str] = []
+
+    def wrap(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return getattr(TORCH_KERNELS, name)(*args, **kwargs)
+
+        return kernel
+
+    fields = {f.name: wrap(f.name) for f in dataclasses.fields(Kernels) if f.name != "head_tiles"}
+    fields.update(broken)
+    be = Backend(
+        "checked", Kernels(**fields), supports=lambda t: t.dtype == torch.float32, priority=20,
+        checked=True,
+    )  # fmt: skip
+    monkeypatch.setitem(backends._BACKENDS, "checked", be)
+    monkeypatch.setattr(backends, "_CHECKS", {})
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    return calls
+
+
+def _lp(x, labels, **kw):
+    leaf = x.clone().requires_grad_()
+    lp = log_probs_from_logits(leaf, labels, **kw)
+    lp.sum().backward()
+    return lp, leaf.grad
+
+
+def test_auto_runs_the_self_check_once_and_then_uses_a_backend_that_passes(monkeypatch, recwarn):
+    calls = _checked_backend(monkeypatch)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    _lp(x, labels)
+    checked = len(calls)
+    assert checked > 0 and backends._CHECKS == {("checked", "logits", "cpu", torch.float32): None}
+    calls.clear()
+    lp, grad = _lp(x, labels)
+    assert calls == ["logits_stats", "logits_grad"]  # chosen, and no second self-check
+    want = _lp(x, labels, backend="torch")
+    assert torch.equal(lp, want[0]) and torch.equal(grad, want[1])
+    assert not [w for w in recwarn if "self-check" in str(w.message)]
+    # Each family is checked on its own, and only when it is used.
+    kl_from_logits(x, x + 1)
+    assert ("checked", "kl", "cpu", torch.float32) in backends._CHECKS
+    assert ("checked", "head", "cpu", torch.float32) not in backends._CHECKS
+    # fp64 is not accepted by this backend: no check, the torch backend.
+    assert resolve_backend("auto", x.double(), "logits") == "torch"
+
+
+def test_the_self_check_runs_from_inference_mode(monkeypatch):
+    """A first call under ``torch.inference_mode()`` (computing old log-probs) still checks the
+    backward and keeps the backend."""
+    calls = _checked_backend(monkeypatch)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            log_probs_from_logits(x, labels)
+    assert backends._CHECKS == {("checked", "logits", "cpu", torch.float32): None}
+    assert "logits_grad" in calls
+
+
+def test_a_wrong_kernel_fails_the_self_check_and_auto_falls_back_with_one_warning(monkeypatch):
+    def wrong_grad(*args, **kwargs):  # a gradient 1 % off: a miscompiled kernel
+        return TORCH_KERNELS.logits_grad(*args, **kwargs) * 1.01
+
+    calls = _checked_backend(monkeypatch, logits_grad=wrong_grad)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    with pytest.warns(
+        RuntimeWarning, match=r"'checked' backend failed its self-check for the logits"
+    ):
+        lp, grad = _lp(x, labels)
+    reason = backends._CHECKS[("checked", "logits", "cpu", torch.float32)]
+    assert reason is not None and "entries differ" in reason
+    want = _lp(x, labels, backend="torch")
+    assert torch.equal(lp, want[0]) and torch.equal(grad, want[1])  # the torch backend ran
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning is given once
+        _lp(x, labels)
+        assert calls == []
+        # The other families pass their checks and keep the backend.
+        kl_from_logits(x, x + 1)
+    assert "kl_stats" in calls
+    # Named at the call, the backend runs without a check.
+    calls.clear()
+    assert not torch.equal(_lp(x, labels, backend="checked")[1], grad)  # the wrong gradient
+    assert calls == ["logits_stats"]
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_with_the_reason(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX codegen error: ptxas failed")
+
+    _checked_backend(monkeypatch, pi_squared_stats=broken)
+    x = torch.randn(3, 40)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: PTX codegen error"):
+        got = sum_pi_squared_from_logits(x)
+    assert torch.equal(got, sum_pi_squared_from_logits(x, backend="torch"))
+
+
+def test_the_environment_variable_replaces_auto(monkeypatch):
+    calls = _checked_backend(monkeypatch)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    monkeypatch.setenv(backends.BACKEND_ENV, "torch")
+    _lp(x, labels)
+    assert calls == [] and backends._CHECKS == {}
+    monkeypatch.setenv(backends.BACKEND_ENV, "checked")  # forced: no self-check
+    _lp(x, labels)
+    assert calls == ["logits_stats", "logits_grad"] and backends._CHECKS == {}
+    _lp(x, labels, backend="torch")  # a name given at the call stays
+    assert calls == ["logits_stats", "logits_grad"]
+    monkeypatch.setenv(backends.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=r"RLMATH_BACKEND='cuda' is not a backend; valid values"):
+        _lp(x, labels)
+    monkeypatch.setenv(backends.BACKEND_ENV, "checked")
+    with pytest.raises(ValueError, match="backend 'checked' does not accept torch.float64"):
+        _lp(x.double(), labels)
+
+
+def test_the_self_check_runs_outside_a_compiled_graph(monkeypatch):
+    """Under ``torch.compile(fullgraph=True)`` the choice is a constant: no graph break."""
+    calls = _checked_backend(monkeypatch)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    fn = torch.compile(lambda a, b: log_probs_from_logits(a, b), fullgraph=True, backend="eager")
+    got = fn(x, labels)
+    assert backends._CHECKS == {("checked", "logits", "cpu", torch.float32): None}
+    assert "logits_stats" in calls
+    assert torch.equal(got, log_probs_from_logits(x, labels, backend="torch"))
+
+
+def test_self_check_comparison_tolerances():
+    from rlmath.engine.self_check import compare
+
+    a = torch.randn(100) * 10
+    assert compare([a], [a.clone()]) is None
+    assert compare([a * (1 + 1e-6)], [a]) is None  # fp32 rounding-level differences pass
+    assert compare([a * (1 + 1e-3)], [a]) is not None  # a wrong result does not
+    assert (
+        compare(
+            [torch.tensor([float("inf"), float("nan")])],
+            [torch.tensor([float("inf"), float("nan")])],
+        )
+        is None
+    )
+    assert compare([torch.tensor([float("inf")])], [torch.tensor([1.0])]) is not None
+    b = torch.randn(100).bfloat16()
+    one_ulp = (b.float() * (1 + 2**-8)).bfloat16()  # at most one unit in the last place apart
+    assert compare([one_ulp], [b]) is None
+    assert compare([(b.float() * 1.05).bfloat16()], [b]) is not None
+    assert "shape" in compare([a[:5]], [a])

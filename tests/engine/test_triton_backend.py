@@ -9,8 +9,9 @@ error, so half precision is tested on the GPU (``tests/test_cuda.py``).
 Skipped where ``triton`` does not import or is older than the backend needs
 (:data:`rlmath.engine.triton_backend.MIN_TRITON`), and where a CUDA device is present
 without ``TRITON_INTERPRET=1`` (the compiled kernels are tested there). The
-last test compiles every kernel for the GPU with Triton's real compiler,
-which the interpreter never runs.
+interpreter never compiles a kernel: ``make test-gpu-compile``
+(:mod:`tests.engine.triton_gpu_check`) compiles every specialization the
+wrappers produce for the GPU and checks the compiled code.
 
 Tolerances: :mod:`tests.engine.triton_reference`.
 """
@@ -19,9 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -588,24 +586,104 @@ def test_fused_head_is_deterministic_and_entropy_optional():
     assert none is None and torch.equal(lp_only, runs[0][0].detach())
 
 
-# ------------------------------------------------------------------ compilation for the GPU
+# ------------------------------------------------------------------ the layouts the GPU compile check covers
 
 
-def test_every_kernel_compiles_for_hopper_and_ampere(tmp_path):
-    """The interpreter does not compile: lower every kernel with Triton's compiler for sm_90
-    and sm_80 (no GPU needed), in a process without ``TRITON_INTERPRET``."""
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.triton_compile_check", "90", "80"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    lines = proc.stdout.splitlines()
-    assert proc.returncode == 0, (
-        "\n".join(line for line in lines if line.startswith("FAIL"))[-4000:] or proc.stderr[-4000:]
+@pytest.mark.parametrize("temp_kind", ["none", "rows"])
+def test_kl_and_sum_pi_squared_of_shifted_logits_against_fp64(blocks, temp_kind):
+    """``x[:, :-1]`` of ``(B, S, V)`` logits: rows read through the offset table (in units of V)."""
+    B, S, V = 3, 6, 160
+    g = gen(41)
+    z = torch.randn(B, S, V, generator=g) * 2
+    r = z + 0.5 * torch.randn(B, S, V, generator=g)
+    z[0, 1] = -1500.0 - torch.rand(V, generator=g)  # an all-negative row
+    temp = 1.0 if temp_kind == "none" else torch.rand(B, S - 1, generator=g) + 0.5
+    gk = torch.randn(B, S - 1, generator=g)
+    zl, rl = z.clone().requires_grad_(), r.clone().requires_grad_()
+    kl = R.kl_from_logits(zl[:, :-1], rl[:, :-1], temperature=temp, backend="triton")
+    (kl * gk).sum().backward()
+    t = temp if isinstance(temp, float) else temp.reshape(-1)
+    ref = KLRef(z[:, :-1].reshape(-1, V), r[:, :-1].reshape(-1, V), t, gk.reshape(-1))
+    check(kl.reshape(-1), ref.kl, ref.tol, "KL of shifted logits")
+    check(zl.grad[:, :-1].reshape(-1, V), ref.gz, ref.gz_tol, "KL gradient, shifted logits")
+    check(rl.grad[:, :-1].reshape(-1, V), ref.gr, ref.gr_tol, "KL gradient, shifted reference")
+    assert (zl.grad[:, -1] == 0).all() and (rl.grad[:, -1] == 0).all()
+    got = R.sum_pi_squared_from_logits(z[:, :-1], temperature=temp, backend="triton")
+    zz = z[:, :-1].reshape(-1, V).double() / (t if isinstance(t, float) else t.double()[:, None])
+    want = (log_softmax64(zz).exp() ** 2).sum(-1)
+    check(got.reshape(-1), want, 4 * row_delta(zz) * want, "Σ π² of shifted logits")
+
+
+def test_shifted_logits_with_vocab_padding_against_fp64(blocks):
+    """``x[:, :-1]`` of a shard whose last columns are padding: offsets and a padded load width."""
+    B, S, V, real = 2, 5, 96, 83  # loads 96 columns, uses 83
+    g = gen(42)
+    x = torch.randn(B, S, V, generator=g) * 3
+    x[..., real:] = float("nan")  # padding values are never used
+    labels = torch.randint(0, real, (B, S - 1), generator=g)
+    gl, ge = torch.randn(B, S - 1, generator=g), torch.randn(B, S - 1, generator=g)
+    leaf = x.clone().requires_grad_()
+    lp, ent = vp.vocab_parallel_log_probs_and_entropy(
+        leaf[:, :-1], labels, vocab_size=real, temperature=0.9, backend="triton"
     )
-    assert sum(line.startswith("OK") for line in lines) >= 150
+    (lp * gl + ent * ge).sum().backward()
+    rows = x[:, :-1, :real].reshape(-1, V - (V - real))
+    ref = LogitsRef(rows, labels.reshape(-1), 0.9, gl.reshape(-1), ge.reshape(-1))
+    grad = leaf.grad[:, :-1, :real].reshape(-1, real)
+    _check_lp_ent((lp.reshape(-1), ent.reshape(-1), grad), ref, "shifted shard with padding")
+    assert (leaf.grad[..., real:] == 0).all() and (leaf.grad[:, -1] == 0).all()
+
+
+def test_packed_rows_gradient_against_fp64_with_unpicked_rows(blocks):
+    """Each row of the logits is written once: picked rows their summed gradient, the others zeros
+    (even where the gradient buffer held junk: it is never zero-filled first)."""
+    V = 130
+    g = gen(43)
+    x = torch.randn(7, V, generator=g) * 2
+    rows = torch.tensor([5, 0, 5, 2, 0, 5])  # rows 1, 3, 4 and 6 unpicked
+    labels = torch.randint(0, V, (6, 1), generator=g)
+    x_dirty = x.clone()
+    x_dirty[[1, 3]] = float("nan")
+    gl, ge = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    cfg = OpConfig(backend="triton", want_entropy=True)
+    leaf = x_dirty.clone().requires_grad_()
+    lp, ent, _ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, cfg)
+    ((lp[:, 0] * gl).sum() + (ent * ge).sum()).backward()
+    ref = LogitsRef(x[rows], labels, 1.0, gl, ge)
+    check(lp[:, 0], ref.lp[:, 0], ref.tol, "packed log-probs")
+    check(ent, ref.H, ref.tol, "packed entropy")
+    want = torch.zeros(7, V, dtype=torch.float64).index_add_(0, rows, ref.grad)
+    tol = torch.zeros(7, V, dtype=torch.float64).index_add_(0, rows, ref.grad_tol)
+    check(leaf.grad, want, tol, "packed gradient")
+    assert (leaf.grad[[1, 3, 4, 6]] == 0).all()
+
+
+def test_auto_self_check_passes_under_the_interpreter_and_a_broken_kernel_falls_back(monkeypatch):
+    """``"auto"`` runs the triton backend's self-check (here through the interpreter) once per
+    family; a kernel made wrong fails it, and ``"auto"`` then uses the torch backend with one
+    warning."""
+    import dataclasses
+
+    import rlmath.engine.triton_backend as tb
+
+    monkeypatch.setattr(backends, "_CHECKS", {})
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    got = R.log_probs_from_logits(x, labels)
+    assert backends._CHECKS == {("triton", "logits", "cpu", torch.float32): None}
+    assert torch.equal(got, R.log_probs_from_logits(x, labels, backend="triton"))
+
+    def wrong_stats(*args, **kwargs):  # log-sum-exps 1 % off, as a miscompiled kernel might
+        m, s, t, z = tb.TRITON_KERNELS.logits_stats(*args, **kwargs)
+        return m, s * 1.01, t, z
+
+    kernels = dataclasses.replace(tb.TRITON_KERNELS, logits_stats=wrong_stats)
+    monkeypatch.setitem(
+        backends._BACKENDS, "triton", dataclasses.replace(tb.TRITON_BACKEND, kernels=kernels)
+    )
+    monkeypatch.setattr(backends, "_CHECKS", {})
+    with pytest.warns(
+        RuntimeWarning, match="'triton' backend failed its self-check for the logits"
+    ):
+        got = R.log_probs_from_logits(x, labels)
+    assert torch.equal(got, R.log_probs_from_logits(x, labels, backend="torch"))

@@ -155,9 +155,14 @@ def _validate_shard(
 
 
 def _config(
-    backend: object, tensor: torch.Tensor, shard: VocabShard | None = None, **fields: Any
+    backend: object,
+    tensor: torch.Tensor,
+    shard: VocabShard | None = None,
+    *,
+    family: str,
+    **fields: Any,
 ) -> OpConfig:
-    name = resolve_backend(backend, tensor)
+    name = resolve_backend(backend, tensor, family)
     if shard is None:
         return OpConfig(backend=name, **fields)
     # Flat fields: a compiler tracing this call handles one plain dataclass.
@@ -229,7 +234,7 @@ def log_probs_entropy(
         device_of=logits_name,
     )  # fmt: skip
     cfg = _config(
-        backend, x, temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
+        backend, x, family="logits", temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         shard=shard,
     )  # fmt: skip
@@ -332,7 +337,7 @@ def kl(
         device_of=names[0],
     )  # fmt: skip
     cfg = _config(
-        backend, x, temperature=scalar,
+        backend, x, family="kl", temperature=scalar,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         shard=shard,
     )  # fmt: skip
@@ -369,7 +374,7 @@ def sum_pi_squared(
         device_of=logits_name,
     )  # fmt: skip
     cfg = _config(
-        backend, x, temperature=scalar,
+        backend, x, family="pi_squared", temperature=scalar,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         shard=shard,
     )  # fmt: skip
@@ -424,7 +429,7 @@ def dense_response_log_probs(
         temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape"
     )
     cfg = _config(
-        backend, x, temperature=scalar, narrow=(1, S - R - 1, R),
+        backend, x, family="logits", temperature=scalar, narrow=(1, S - R - 1, R),
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size), shard=shard,
     )  # fmt: skip
     # The operator reads the response rows of the full logits in place: slicing them
@@ -485,7 +490,7 @@ def packed_response_log_probs(
         slot = torch.where(row_of >= 0, row_of, nnz).reshape(-1)
         temp = packed.scatter(0, slot, dense)[:nnz]
     cfg = _config(
-        backend, x, temperature=scalar, ignore_index=NO_LABEL,
+        backend, x, family="logits", temperature=scalar, ignore_index=NO_LABEL,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         shard=shard,
     )  # fmt: skip
@@ -633,7 +638,7 @@ def fused_head(
     )  # fmt: skip
     h, w, b = _head_dtype(h, w, b)
     cfg = _config(
-        backend, h, temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
+        backend, h, family="head", temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         vocab_chunk_size=check_positive_int_or_none("vocab_chunk_size", vocab_chunk_size),
         shard=shard, reduce_grad_hidden=bool(reduce_grad_hidden), logit_scale=scale,

@@ -21,10 +21,16 @@ with a fork/join of the intra-op threads.
   worker threads, :mod:`rlmath.engine.execution`; median of 9)
   8 rows 216 ms, 16 rows 198 ms, 24 rows 198 ms (forward+backward 729, 694,
   717 ms); for V = 151936 4 to 8 rows are fastest.
-* Other devices (CUDA): every op is a kernel launch, so fewer, larger chunks
-  win. The default splits the rows into about :data:`TARGET_CHUNKS` chunks,
-  never below :data:`MIN_CHUNK_BYTES` nor above :data:`MAX_CHUNK_BYTES` per
-  fp32 buffer.
+* Other devices (CUDA): every op is a kernel launch (a few microseconds of
+  overhead each, a dozen per chunk), so chunks are large: the rows split into
+  about :data:`TARGET_CHUNKS` chunks, each fp32 buffer at least
+  :data:`MIN_CHUNK_BYTES` (64 MiB: one op over it is some 14 µs of HBM
+  traffic at 4.8 TB/s, several launches' worth) and at most
+  :data:`MAX_CHUNK_BYTES` or 1/:data:`ACCELERATOR_MEMORY_FRACTION` of the
+  device's memory. A pass holds a few such buffers, so its scratch stays a
+  fraction of the naive path's full fp32 ``log_softmax``. Not measured on a
+  GPU with these sizes (the earlier ones, 2 to 64 MiB in 32 chunks, made the
+  pure-torch forward 1.3–3.7× the naive one on an H200).
 
 Fused LM head (:func:`auto_tile_sizes`). The head works on one
 ``(rows, vocab_tile)`` block of logits at a time. Every block costs three
@@ -63,6 +69,7 @@ from rlmath.engine.execution import row_multiple
 
 __all__ = [
     "ACCELERATOR_BLOCK_ELEMENTS",
+    "ACCELERATOR_MEMORY_FRACTION",
     "ACCELERATOR_ROWS",
     "CPU_CHUNK_BYTES",
     "DEFAULT_BLOCK_ELEMENTS",
@@ -85,13 +92,17 @@ __all__ = [
 CPU_CHUNK_BYTES = 2 * 1024 * 1024
 """fp32 ``(chunk, V)`` scratch buffer the CPU default aims at, in bytes (cache-resident)."""
 
-MIN_CHUNK_BYTES = 2 * 1024 * 1024
-"""Smallest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes."""
+MIN_CHUNK_BYTES = 64 * 1024 * 1024
+"""Smallest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes (unless the
+rows are fewer)."""
 
-MAX_CHUNK_BYTES = 64 * 1024 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024 * 1024
 """Largest fp32 ``(chunk, V)`` scratch buffer the non-CPU default picks, in bytes."""
 
-TARGET_CHUNKS = 32
+ACCELERATOR_MEMORY_FRACTION = 64
+"""A non-CPU chunk's fp32 buffer takes at most 1/64 of the device's memory (CUDA)."""
+
+TARGET_CHUNKS = 16
 """Number of chunks the non-CPU default aims at between those bounds."""
 
 DEFAULT_ROWS = 2048
@@ -135,6 +146,19 @@ def half_matmuls_pay(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+_DEVICE_MEMORY: dict[int, int] = {}
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of a CUDA device in bytes (read once per device), ``None`` elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICE_MEMORY:
+        _DEVICE_MEMORY[index] = torch.cuda.get_device_properties(index).total_memory
+    return _DEVICE_MEMORY[index]
+
+
 def auto_chunk_size(
     vocab_size: int, num_rows: int | None = None, *, device: torch.device | str | None = None
 ) -> int:
@@ -142,11 +166,12 @@ def auto_chunk_size(
 
     CPU (``device`` ``None`` or a CPU device): the rows of a 2 MiB fp32 buffer
     (16 for V = 32000, 3 for V = 151936), raised to two rows per intra-op
-    thread. Elsewhere: ``num_rows / 32``, kept between the row counts of a
-    2 MiB and a 64 MiB fp32 buffer (for V = 32000: 16 to 524 rows; for
-    V = 151936: 3 to 110). Either way never more than ``num_rows`` (when
-    given), then rounded down to a multiple of the intra-op thread count when
-    that leaves at least one row per thread. At least one row.
+    thread. Elsewhere: ``num_rows / 16``, kept between the row counts of a
+    64 MiB and a 1 GiB fp32 buffer (the upper bound lowered to 1/64 of a CUDA
+    device's memory; for V = 32000: 524 to 8388 rows; for V = 151936: 110 to
+    1766). Either way never more than ``num_rows`` (when given), then rounded
+    down to a multiple of the intra-op thread count when that leaves at least
+    one row per thread. At least one row.
 
     Args:
         vocab_size: ``V``, the length of the last dim of the logits (of the shard).
@@ -161,8 +186,12 @@ def auto_chunk_size(
     if is_cpu(device):
         rows = max(CPU_CHUNK_BYTES // row_bytes, 2 * multiple)
     else:
+        cap = MAX_CHUNK_BYTES
+        total = _device_memory(torch.device(device))  # type: ignore[arg-type]
+        if total is not None:
+            cap = max(MIN_CHUNK_BYTES, min(cap, total // ACCELERATOR_MEMORY_FRACTION))
         lo = max(1, MIN_CHUNK_BYTES // row_bytes)
-        hi = max(1, MAX_CHUNK_BYTES // row_bytes)
+        hi = max(1, cap // row_bytes)
         rows = lo if num_rows is None else min(max(num_rows // TARGET_CHUNKS, lo), hi)
     if num_rows is not None:
         rows = min(rows, max(1, num_rows))

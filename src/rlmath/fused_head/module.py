@@ -41,9 +41,8 @@ class FusedLMHeadLogProbs(nn.Module):
             ``nn.Linear(H, V/tp)`` rows of it).
         temperature: default temperature (float > 0) for :meth:`forward`.
         ignore_index: label value of positions to skip (log-prob and entropy 0).
-        logit_scale, softcap, vocab_size, vocab_parallel, chunk_size,
-            vocab_chunk_size: as in
-            :func:`~rlmath.fused_head.log_probs_and_entropy_from_hidden`.
+        logit_scale, softcap, vocab_size, vocab_parallel, chunk_size, vocab_chunk_size: as
+            in :func:`~rlmath.fused_head.log_probs_and_entropy_from_hidden`.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check in each call that every label is a token id or
             ``ignore_index`` (a ``ValueError`` naming ``labels``; reads the labels, a

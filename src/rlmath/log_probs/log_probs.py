@@ -107,8 +107,8 @@ def log_probs_and_entropy_from_logits(
             DTensor (as in :func:`log_probs_from_logits`).
         labels: ``(...)`` or ``(..., K)`` integer tensor, values in ``[0, V)``
             or ``ignore_index``.
-        temperature, ignore_index, vocab_size, vocab_parallel, chunk_size, backend,
-            validate: as in :func:`log_probs_from_logits`.
+        temperature, ignore_index, vocab_size, vocab_parallel, chunk_size, backend, validate:
+            as in :func:`log_probs_from_logits`.
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``logits.shape[:-1]``,

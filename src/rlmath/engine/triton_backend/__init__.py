@@ -82,6 +82,8 @@ TRITON_KERNELS = Kernels(
     head_tiles=head_tiles,
 )
 
-TRITON_BACKEND = Backend(name="triton", kernels=TRITON_KERNELS, supports=supports, priority=10)
+TRITON_BACKEND = Backend(
+    name="triton", kernels=TRITON_KERNELS, supports=supports, priority=10, checked=True
+)
 
 register_backend(TRITON_BACKEND)

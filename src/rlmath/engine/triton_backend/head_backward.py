@@ -20,10 +20,12 @@ import triton.language as tl
 
 from rlmath.engine.torch_backend.head_backward import head_grad as torch_head_grad
 from rlmath.engine.triton_backend.head_blocks import (
+    block_stride,
     logits_block,
     masked_hidden,
     matmul_into,
     spans,
+    tile_spans,
 )
 from rlmath.engine.triton_backend.launch import (
     as_u8,
@@ -40,6 +42,7 @@ __all__ = ["head_grad"]
 def _head_grad_kernel(
     G,
     width,
+    ld,
     r0,
     v0,
     LSE,
@@ -59,7 +62,7 @@ def _head_grad_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = r0 + pid
-    ptr = G + pid * width
+    ptr = G + pid * ld  # ld: a multiple of 16 (aligned rows, 128-bit loads and stores)
     inv_t = inv_temperature(TEMP, row, inv_t_scalar, TEMP_MODE)
     lse = tl.load(LSE + row)
     alpha = tl.load(ALPHA + row)
@@ -70,7 +73,9 @@ def _head_grad_kernel(
     if HAS_LIVE:
         live = tl.load(LIVE + row) != 0
     cols = tl.arange(0, BLOCK)
-    n_read = tl.where(live, width, 0)  # a dead row reads nothing
+    # A dead row reads nothing. The loads and stores cover the ld >= width columns
+    # of the row (the columns past width are the workspace's, zeroed here).
+    n_read = tl.where(live, ld, 0)
     for start in range(0, width, BLOCK):
         c = start + cols
         inside = c < width
@@ -79,8 +84,8 @@ def _head_grad_kernel(
             x, c, lse, alpha, beta, inv_t, LAB + row * K, W + row * K, -1.0, K, v0,
             TEMP_MODE, HAS_BETA, HAS_W, False,
         )  # fmt: skip
-        g = tl.where(live, g, 0.0)
-        tl.store(ptr + c, g.to(G.dtype.element_ty), mask=inside)
+        g = tl.where(live & inside, g, 0.0)
+        tl.store(ptr + c, g.to(G.dtype.element_ty), mask=c < ld)
 
 
 @on_input_device
@@ -120,7 +125,7 @@ def head_grad(
         )  # fmt: skip
     need_h, need_w, need_b = need
     dev, (N, H) = hidden.device, hidden.shape
-    tiles, chunks = spans(real, tile), spans(N, rows)
+    tiles, chunks = tile_spans(real, tile), spans(N, rows)
     half = hidden.dtype != cdt
     acc_h = None
     if need_h:
@@ -141,7 +146,9 @@ def head_grad(
         K = lab.shape[-1]
         temp, inv_t, mode = temperature_args(temperature, lse)
         width = max(b - a for a, b in tiles)
-        ws = torch.empty(max(b - a for a, b in chunks) * width, dtype=hidden.dtype, device=dev)
+        ws = torch.empty(
+            max(b - a for a, b in chunks) * block_stride(width), dtype=hidden.dtype, device=dev
+        )
         # Several row chunks: each weight tile's gradient is summed in fp32 first.
         acc_w = None
         if grad_w is not None and len(chunks) > 1 and weight.dtype != cdt:
@@ -156,7 +163,7 @@ def head_grad(
             for j, (r0, r1) in enumerate(chunks):
                 g = logits_block(ws, h[r0:r1], weight, bias, v0, v1)
                 _head_grad_kernel[(r1 - r0,)](
-                    g, v1 - v0, r0, v0, lse_c, alpha_c, beta_c, w_c, lab, K, temp, inv_t,
+                    g, v1 - v0, g.stride(0), r0, v0, lse_c, alpha_c, beta_c, w_c, lab, K, temp, inv_t,
                     live_u8, TEMP_MODE=mode, HAS_BETA=beta is not None, HAS_W=w is not None,
                     HAS_LIVE=live is not None, BLOCK=block, num_warps=warps,
                 )  # fmt: skip

@@ -7,6 +7,14 @@ statistics (forward) or into its gradient in place (backward). The
 vocabulary tile is :data:`HEAD_TILE` columns whatever the number of rows,
 so the statistics of a row are merged over the same tiles in the same order
 at any batch size; the rows per block fill :data:`HEAD_BLOCK_ENTRIES`.
+
+Every tile but the last is a multiple of :data:`~.launch.ALIGN` (16)
+columns wide (:func:`tile_spans`), and a block's rows lie
+:func:`block_stride` elements apart, a multiple of 16: so each row of a
+block starts on a 16-byte boundary, the Triton kernels read and write it
+128 bits at a time, and cuBLAS gets a leading dimension that is a multiple
+of 16 bytes (evenly balanced tiles of 3998 or 3999 columns, as
+:func:`rlmath.engine.policy.spans` cuts 151936 by 4096, gave neither).
 """
 
 from __future__ import annotations
@@ -14,15 +22,18 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine.policy import spans
+from rlmath.engine.triton_backend.launch import ALIGN
 
 __all__ = [
     "HEAD_BLOCK_ENTRIES",
     "HEAD_TILE",
+    "block_stride",
     "head_tiles",
     "logits_block",
     "masked_hidden",
     "matmul_into",
     "spans",
+    "tile_spans",
 ]
 
 HEAD_TILE = 4096
@@ -52,6 +63,31 @@ def head_tiles(
     return max(1, min(num_rows, HEAD_BLOCK_ENTRIES // max(1, min(tile, vocab_size)))), tile
 
 
+def tile_spans(total: int, tile: int) -> list[tuple[int, int]]:
+    """The vocabulary tiles ``[(v0, v1), ...]`` covering ``range(total)``, at most ``tile`` wide.
+
+    As few tiles as :func:`spans` cuts and about as even, each width rounded
+    up to a multiple of :data:`~.launch.ALIGN` (151936 by 4096: 37 tiles of
+    4000 and one of 3936), the last one taking what is left. A ``tile`` below
+    16 columns is used as is. Depends on ``total`` and ``tile`` only, never on
+    the number of rows.
+    """
+    if total <= 0:
+        return []
+    if tile < ALIGN:
+        return spans(total, tile)
+    step = tile - tile % ALIGN
+    count = -(-total // step)
+    even = -(-total // count)  # the widths spans() would cut, rounded up
+    width = -(-even // ALIGN) * ALIGN  # <= step: both are multiples of 16
+    return [(lo, min(lo + width, total)) for lo in range(0, total, width)]
+
+
+def block_stride(width: int) -> int:
+    """Elements between the rows of a ``(rows, width)`` logits block: ``width`` rounded up to 16."""
+    return -(-width // ALIGN) * ALIGN
+
+
 def masked_hidden(hidden: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
     """``hidden`` with the rows of dead (all-ignored) positions replaced by zeros.
 
@@ -69,8 +105,13 @@ def logits_block(
     v0: int,
     v1: int,
 ) -> torch.Tensor:
-    """The contiguous ``(rows, v1 - v0)`` block ``h @ weight[v0:v1].T (+ bias)`` in ``ws``."""
-    out = ws[: h.shape[0] * (v1 - v0)].view(h.shape[0], v1 - v0)
+    """The ``(rows, v1 - v0)`` block ``h @ weight[v0:v1].T (+ bias)`` in ``ws``.
+
+    Its rows lie :func:`block_stride` elements apart (contiguous when the
+    width is a multiple of 16; the columns between are never read as logits).
+    """
+    ld = block_stride(v1 - v0)
+    out = ws[: h.shape[0] * ld].view(h.shape[0], ld)[:, : v1 - v0]
     w = weight[v0:v1].T
     if bias is None:
         return torch.mm(h, w, out=out)

@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 from rlmath.engine.torch_backend.head_forward import head_stats as torch_head_stats
-from rlmath.engine.triton_backend.head_blocks import logits_block, masked_hidden, spans
+from rlmath.engine.triton_backend.head_blocks import (
+    block_stride,
+    logits_block,
+    masked_hidden,
+    spans,
+    tile_spans,
+)
 from rlmath.engine.triton_backend.launch import (
     as_u8,
     block_config,
@@ -33,6 +39,7 @@ __all__ = ["head_stats"]
 def _head_stats_kernel(
     Z,
     width,
+    ld,
     r0,
     v0,
     M_RUN,
@@ -46,11 +53,12 @@ def _head_stats_kernel(
     inv_t_scalar,
     TEMP_MODE: tl.constexpr,
     WANT_T: tl.constexpr,
+    PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = r0 + pid
-    zrow = Z + pid * width
+    zrow = Z + pid * ld  # ld: a multiple of 16 (aligned rows, 128-bit loads)
     inv_t = inv_temperature(TEMP, row, inv_t_scalar, TEMP_MODE)
     t0 = 0.0
     if WANT_T:
@@ -59,12 +67,14 @@ def _head_stats_kernel(
         zrow,
         1,
         width,
+        ld,
         inv_t,
         tl.load(M_RUN + row),
         tl.load(S_RUN + row),
         t0,
         TEMP_MODE,
         WANT_T,
+        PAD,
         BLOCK,
     )
     tl.store(M_RUN + row, m)
@@ -122,9 +132,11 @@ def head_stats(
     lab, own = labels.contiguous(), as_u8(owned)
     K = lab.shape[-1]
     temp, inv_t, mode = temperature_args(temperature, m)
-    tiles, chunks = spans(real, tile), spans(N, rows)
+    tiles, chunks = tile_spans(real, tile), spans(N, rows)
     width = max(b - a for a, b in tiles)
-    ws = torch.empty(max(b - a for a, b in chunks) * width, dtype=hidden.dtype, device=dev)
+    ws = torch.empty(
+        max(b - a for a, b in chunks) * block_stride(width), dtype=hidden.dtype, device=dev
+    )
     block, warps = block_config(width, hidden.element_size())
     for v0, v1 in tiles:
         for r0, r1 in chunks:
@@ -132,6 +144,7 @@ def head_stats(
             _head_stats_kernel[(r1 - r0,)](
                 blk,
                 v1 - v0,
+                blk.stride(0),
                 r0,
                 v0,
                 m,
@@ -145,6 +158,7 @@ def head_stats(
                 inv_t,
                 TEMP_MODE=mode,
                 WANT_T=want_entropy,
+                PAD=blk.stride(0) > v1 - v0,
                 BLOCK=block,
                 num_warps=warps,
             )

@@ -17,11 +17,12 @@ from rlmath.engine.torch_backend.kl_backward import kl_grad as torch_kl_grad
 from rlmath.engine.triton_backend.launch import (
     block_config,
     int32_columns,
+    load_width,
     on_input_device,
     row_layout,
     temperature_args,
 )
-from rlmath.engine.triton_backend.row_math import inv_temperature
+from rlmath.engine.triton_backend.row_math import exp_ftz, inv_temperature
 
 __all__ = ["kl_grad"]
 
@@ -42,6 +43,7 @@ def _kl_grad_kernel(
     GZ,
     GR,
     n_real,
+    n_load,
     n_cols,
     LSE_Z,
     LSE_R,
@@ -58,11 +60,11 @@ def _kl_grad_kernel(
 ):
     i = tl.program_id(0).to(tl.int64)
     if Z_HAS_OFF:
-        zrow = Z + tl.load(Z_OFF + i).to(tl.int64)
+        zrow = Z + tl.load(Z_OFF + i).to(tl.int64) * z_stride
     else:
         zrow = Z + i * z_stride
     if R_HAS_OFF:
-        rrow = R + tl.load(R_OFF + i).to(tl.int64)
+        rrow = R + tl.load(R_OFF + i).to(tl.int64) * r_stride
     else:
         rrow = R + i * r_stride
     inv_t = inv_temperature(TEMP, i, inv_t_scalar, TEMP_MODE)
@@ -74,16 +76,17 @@ def _kl_grad_kernel(
     for start in range(0, n_cols, BLOCK):
         c = start + cols
         inside = c < n_real
-        z = tl.load(zrow + c * z_col, mask=inside, other=float("-inf")).to(tl.float32)
-        r = tl.load(rrow + c * r_col, mask=inside, other=float("-inf")).to(tl.float32)
+        # Loads to n_load (128-bit loads); the entries past n_real are zeroed below.
+        z = tl.load(zrow + c * z_col, mask=c < n_load, other=float("-inf")).to(tl.float32)
+        r = tl.load(rrow + c * r_col, mask=c < n_load, other=float("-inf")).to(tl.float32)
         if TEMP_MODE != 0:
             z = z * inv_t
             r = r * inv_t
         lz = z - lse_z
         lr = r - lse_r
-        p = tl.exp(lz)
+        p = exp_ftz(lz)
         if NEED_R:
-            gr = tl.where(inside, (tl.exp(lr) - p) * g, 0.0)
+            gr = tl.where(inside, (exp_ftz(lr) - p) * g, 0.0)
             tl.store(GR + i * n_cols + c, gr.to(GR.dtype.element_ty), mask=c < n_cols)
         if NEED_Z:
             # Floors as in the pure-torch pass (NaN stays NaN); p first, so that
@@ -129,7 +132,7 @@ def kl_grad(
     lz, lr = row_layout(logits), row_layout(ref_logits)
     temp, inv_t, mode = temperature_args(temperature, kl)
     elem = max(logits.element_size(), ref_logits.element_size())
-    block, warps = block_config(V, elem, streams=2)
+    block, warps = block_config(V, elem, streams=2, per_thread=8)
     _kl_grad_kernel[(N,)](
         logits,
         lz.offsets if lz.offsets is not None else kl,
@@ -142,6 +145,7 @@ def kl_grad(
         gz if gz is not None else kl,
         gr if gr is not None else kl,
         real,
+        min(load_width(real, V), load_width(real, ref_logits.shape[-1])),
         V,
         lse_z.contiguous(),
         lse_r.contiguous(),

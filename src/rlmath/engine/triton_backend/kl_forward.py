@@ -22,11 +22,12 @@ from rlmath.engine.torch_backend.kl_forward import kl_stats as torch_kl_stats
 from rlmath.engine.triton_backend.launch import (
     block_config,
     int32_columns,
+    load_width,
     on_input_device,
     row_layout,
     temperature_args,
 )
-from rlmath.engine.triton_backend.row_math import inv_temperature
+from rlmath.engine.triton_backend.row_math import exp_ftz, inv_temperature
 
 __all__ = ["kl_stats"]
 
@@ -42,6 +43,7 @@ def _kl_stats_kernel(
     r_stride,
     r_col,
     n,
+    n_load,
     TEMP,
     inv_t_scalar,
     KL_OUT,
@@ -50,15 +52,16 @@ def _kl_stats_kernel(
     Z_HAS_OFF: tl.constexpr,
     R_HAS_OFF: tl.constexpr,
     TEMP_MODE: tl.constexpr,
+    PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     if Z_HAS_OFF:
-        zrow = Z + tl.load(Z_OFF + i).to(tl.int64)
+        zrow = Z + tl.load(Z_OFF + i).to(tl.int64) * z_stride
     else:
         zrow = Z + i * z_stride
     if R_HAS_OFF:
-        rrow = R + tl.load(R_OFF + i).to(tl.int64)
+        rrow = R + tl.load(R_OFF + i).to(tl.int64) * r_stride
     else:
         rrow = R + i * r_stride
     inv_t = inv_temperature(TEMP, i, inv_t_scalar, TEMP_MODE)
@@ -71,9 +74,12 @@ def _kl_stats_kernel(
     a = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         c = start + cols
-        inside = c < n
-        z = tl.load(zrow + c * z_col, mask=inside, other=float("-inf")).to(tl.float32)
-        r = tl.load(rrow + c * r_col, mask=inside, other=float("-inf")).to(tl.float32)
+        # Loads to n_load (a multiple of 16 where the rows have it: 128-bit loads).
+        z = tl.load(zrow + c * z_col, mask=c < n_load, other=float("-inf")).to(tl.float32)
+        r = tl.load(rrow + c * r_col, mask=c < n_load, other=float("-inf")).to(tl.float32)
+        if PAD:
+            z = tl.where(c < n, z, float("-inf"))
+            r = tl.where(c < n, r, float("-inf"))
         if TEMP_MODE != 0:
             z = z * inv_t
             r = r * inv_t
@@ -84,8 +90,8 @@ def _kl_stats_kernel(
             # (0 where nothing was seen yet: s_z and a are 0 there).
             dz = tl.where(mz == float("-inf"), 0.0, mz - mz_new)
             dr = tl.where(mr == float("-inf"), 0.0, mr - mr_new)
-            scale_z = tl.exp(mz - mz_new)
-            scale_r = tl.where(mr_new > mr, tl.exp(mr - mr_new), 1.0)
+            scale_z = exp_ftz(mz - mz_new)
+            scale_r = tl.where(mr_new > mr, exp_ftz(mr - mr_new), 1.0)
             scale_z = tl.where(mz_new > mz, scale_z, 1.0)
             a = scale_z * (a + sz * (dz - dr))
             sz = sz * scale_z
@@ -94,9 +100,9 @@ def _kl_stats_kernel(
             mr = mr_new
         yz = z - tl.where(mz == float("-inf"), 0.0, mz)
         yr = r - tl.where(mr == float("-inf"), 0.0, mr)
-        ez = tl.exp(yz)
+        ez = exp_ftz(yz)
         sz += ez
-        sr += tl.exp(yr)
+        sr += exp_ftz(yr)
         # p = 0 contributes 0 even where both logits are -inf (no 0·inf or inf - inf).
         a += tl.where(ez == 0.0, 0.0, ez * (yz - yr))
     s_z = tl.sum(sz, 0)
@@ -145,7 +151,8 @@ def kl_stats(
         return kl, lse_z, lse_r
     temp, inv_t, mode = temperature_args(temperature, kl)
     elem = max(logits.element_size(), ref_logits.element_size())
-    block, warps = block_config(real, elem, streams=2)
+    block, warps = block_config(real, elem, streams=2, per_thread=8)
+    n_load = min(load_width(real, logits.shape[-1]), load_width(real, ref_logits.shape[-1]))
     _kl_stats_kernel[(N,)](
         logits,
         lz.offsets if lz.offsets is not None else kl,
@@ -156,6 +163,7 @@ def kl_stats(
         lr.stride,
         lr.col_stride,
         real,
+        n_load,
         temp,
         inv_t,
         kl,
@@ -164,6 +172,7 @@ def kl_stats(
         Z_HAS_OFF=lz.offsets is not None,
         R_HAS_OFF=lr.offsets is not None,
         TEMP_MODE=mode,
+        PAD=n_load > real,
         BLOCK=block,
         num_warps=warps,
     )

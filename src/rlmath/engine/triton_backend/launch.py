@@ -10,6 +10,7 @@ batch it comes in.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -22,6 +23,7 @@ __all__ = [
     "as_u8",
     "block_config",
     "int32_columns",
+    "load_width",
     "next_pow2",
     "on_input_device",
     "row_layout",
@@ -43,18 +45,43 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def block_config(width: int, elem_bytes: int, *, streams: int = 1) -> tuple[int, int]:
+def block_config(
+    width: int, elem_bytes: int, *, streams: int = 1, per_thread: int = 16
+) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` for a loop over rows of ``width`` columns.
 
     ``streams`` is the number of input rows read together (2 for the KL); the
     block shrinks so that one step reads at most :data:`MAX_BLOCK_BYTES` per
-    stream. Depends on the width and dtype only (batch invariance).
+    stream. The warps give each thread at most ``per_thread`` columns of a
+    step (16; 8 for the kernels that keep several per-column values: the
+    KL's three running sums, the summed gradient of repeated packed rows),
+    between 4 and 16 warps. Depends on the width and dtype only (batch
+    invariance).
     """
     cap = min(MAX_BLOCK_ELEMENTS, MAX_BLOCK_BYTES // max(1, elem_bytes * streams))
     cap = 1 << (max(16, cap).bit_length() - 1)  # a power of two
     block = min(next_pow2(max(width, 16)), cap)
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    warps = min(16, max(warps, block // (32 * per_thread)))
     return block, warps
+
+
+ALIGN = 16
+"""Columns a load width or a fused-head tile is rounded to (16 elements: a multiple of 16 bytes)."""
+
+
+def load_width(n: int, readable: int) -> int:
+    """How many columns of each row to load when ``n`` are used and ``readable`` exist.
+
+    ``n`` rounded up to a multiple of :data:`ALIGN` when the row has that
+    many columns (a shard with padding columns: ``vocab_size`` 151665 in a
+    151936-wide shard loads 151680), else ``n``. Triton specializes an
+    integer that is a multiple of 16, so a mask ``c < load_width`` keeps
+    128-bit loads where ``c < n`` would force 16-bit ones; the kernels mask
+    the extra columns with a ``where`` after the load.
+    """
+    up = -(-n // ALIGN) * ALIGN
+    return up if up <= readable else n
 
 
 def as_u8(mask: torch.Tensor) -> torch.Tensor:
@@ -63,11 +90,16 @@ def as_u8(mask: torch.Tensor) -> torch.Tensor:
 
 
 class RowLayout:
-    """Where each of ``M`` rows of a ``(..., V)`` tensor starts, in elements from its data pointer.
+    """Where each of ``M`` rows of a ``(..., V)`` tensor starts: row ``i`` at ``offset_i · stride``.
 
-    ``offsets`` is ``None`` when row ``i`` starts at ``i * stride`` (the batch
-    dims merge into one); otherwise an ``(M,)`` int64 tensor of element
-    offsets (``stride`` is then 1). ``col_stride`` is the stride of the last dim.
+    ``offsets`` is ``None`` when row ``i`` starts at ``i · stride`` (the batch
+    dims merge into one); otherwise an ``(M,)`` int64 tensor counting in
+    units of ``stride``, the greatest common divisor of the batch dims'
+    strides. A kernel multiplies the offset it loads by ``stride``, so when
+    ``stride`` is a multiple of 16 Triton sees every row start as 16-byte
+    aligned (``x[:, :-1]`` of ``V = 151936`` logits: a stride of ``V``) and
+    reads the rows 128 bits at a time; with element offsets (a stride of 1)
+    it could not. ``col_stride`` is the stride of the last dim.
     """
 
     def __init__(self, offsets: torch.Tensor | None, stride: int, col_stride: int, rows: int):
@@ -84,14 +116,21 @@ def row_layout(x: torch.Tensor) -> RowLayout:
     try:
         flat = x.view(-1, V)  # succeeds exactly when the batch dims merge into one
     except RuntimeError:
-        offsets = torch.zeros((), dtype=torch.int64, device=x.device)
         nb = x.dim() - 1
+        unit = 0
+        for d in range(nb):
+            if x.shape[d] > 1:
+                unit = math.gcd(unit, x.stride(d))
+        unit = max(unit, 1)
+        offsets = torch.zeros((), dtype=torch.int64, device=x.device)
         for d in range(nb):
             shape = [1] * nb
             shape[d] = x.shape[d]
-            step = torch.arange(x.shape[d], device=x.device, dtype=torch.int64) * x.stride(d)
+            step = torch.arange(x.shape[d], device=x.device, dtype=torch.int64) * (
+                x.stride(d) // unit
+            )
             offsets = offsets + step.view(shape)
-        return RowLayout(offsets.reshape(-1), 1, col, rows)
+        return RowLayout(offsets.reshape(-1), unit, col, rows)
     return RowLayout(None, flat.stride(0), flat.stride(1), rows)
 
 

@@ -7,10 +7,12 @@ log-sum-exp and writes the row's gradient
 zeros whatever its logits hold. Same signature and results as
 :func:`rlmath.engine.torch_backend.logits_backward.logits_grad`.
 
-Rows picked by ``row_index`` may repeat: the rows are sorted by destination
-on the device, and the first program of each run of equal indices sums the
-run's gradients in a fixed order before writing them, so the result is
-deterministic and needs no atomics.
+Rows picked by ``row_index`` (the packed response functions) may repeat or
+be left out: the picks are sorted by row on the device, and one program per
+row of the logits sums the gradients of that row's picks in a fixed order
+and writes the row once (zeros for a row nobody picks, without reading it),
+so the result is deterministic, needs no atomics, and the gradient is
+written once, never zero-filled first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlmath.engine.triton_backend.launch import (
     as_u8,
     block_config,
     int32_columns,
+    load_width,
     on_input_device,
     row_layout,
     temperature_args,
@@ -89,6 +92,7 @@ def _logits_grad_kernel(
     DST,
     dst_stride,
     n_real,
+    n_load,
     n_cols,
     LSE,
     ALPHA,
@@ -101,7 +105,7 @@ def _logits_grad_kernel(
     inv_t_scalar,
     DEAD,
     ORDER,
-    FIRST,
+    START,
     END,
     HAS_SRC: tl.constexpr,
     HAS_DST: tl.constexpr,
@@ -117,14 +121,12 @@ def _logits_grad_kernel(
     i = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if GROUPED:
-        # Sorted position i; only the first of a run of equal rows writes.
-        row = tl.load(SRC + i).to(tl.int64)
-        head = tl.load(FIRST + i) != 0
-        end = tl.where(head, tl.load(END + i), i)
-        src = row * src_stride
-        dst = row * dst_stride
-        live = head
-        j_end = end
+        # Row i of the logits: its picks are ORDER[START[i]:END[i]] (none: a row of zeros).
+        j0 = tl.load(START + i)
+        j_end = tl.load(END + i)
+        src = i * src_stride
+        dst = i * dst_stride
+        live = j_end > j0
     else:
         if HAS_SRC:
             src = tl.load(SRC + i).to(tl.int64) * src_stride
@@ -137,12 +139,11 @@ def _logits_grad_kernel(
         live = i >= 0
         if HAS_DEAD:
             live = tl.load(DEAD + i) == 0
-    # A dead row reads nothing (an empty column range): its gradient is an exact 0
-    # whatever its logits hold. A repeated row other than its run's first writes nothing.
-    n_read = tl.where(live, n_real, 0)
-    n_write = n_cols
-    if GROUPED:
-        n_write = tl.where(live, n_cols, 0)
+    # A dead row (or one nobody picks) reads nothing (an empty column range): its
+    # gradient is an exact 0 whatever its logits hold. The loads cover n_load >= n_real
+    # columns (a multiple of 16 where the row has them: 128-bit loads); the entries
+    # past n_real are zeroed below whatever was read there.
+    n_read = tl.where(live, n_load, 0)
     for start in range(0, n_cols, BLOCK):
         c = start + cols
         inside = c < n_real
@@ -150,7 +151,7 @@ def _logits_grad_kernel(
         x = x.to(tl.float32)
         if GROUPED:
             g = tl.zeros([BLOCK], tl.float32)
-            for j in range(i, j_end):
+            for j in range(j0, j_end):
                 idx = tl.load(ORDER + j).to(tl.int64)
                 gj = _member_grad(
                     x, c, idx, LSE, ALPHA, BETA, W, LAB, K, SIGN, TEMP, inv_t_scalar,
@@ -166,7 +167,7 @@ def _logits_grad_kernel(
             )  # fmt: skip
             g = tl.where(live, g, 0.0)
         g = tl.where(inside, g, 0.0)
-        tl.store(G + dst + c, g.to(G.dtype.element_ty), mask=c < n_write)
+        tl.store(G + dst + c, g.to(G.dtype.element_ty), mask=c < n_cols)
 
 
 @on_input_device
@@ -201,18 +202,15 @@ def logits_grad(
     V = logits.shape[-1]
     M = lse.shape[0]
     grouped = row_index is not None
-    if grouped or M == 0 or real == 0:
-        # Rows that no index picks keep zeros.
-        grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
-    else:
-        # The kernel writes every used row in full (zeros past `real`).
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        if narrow is not None:
-            dim, start, length = narrow
-            grad.narrow(dim, 0, start).zero_()
-            grad.narrow(dim, start + length, logits.shape[dim] - start - length).zero_()
     if M == 0 or real == 0:
-        return grad
+        return torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+    # The kernel writes every row it covers in full (zeros past `real`, and on
+    # unpicked rows of a packed selection): no zero-fill of those rows first.
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if not grouped and narrow is not None:
+        dim, start, length = narrow
+        grad.narrow(dim, 0, start).zero_()
+        grad.narrow(dim, start + length, logits.shape[dim] - start - length).zero_()
     lse = lse.contiguous()
     source = int32_columns(logits)
     lab = labels.contiguous() if labels is not None else None
@@ -222,20 +220,18 @@ def logits_grad(
     order = first = end = dummy
     src: torch.Tensor | None
     dst: torch.Tensor | None
+    programs = M
     if grouped:
         assert row_index is not None
         order = torch.argsort(row_index, stable=True)
         rows = row_index[order]
-        first_b = torch.ones(M, dtype=torch.bool, device=rows.device)
-        first_b[1:] = rows[1:] != rows[:-1]
-        pos = torch.arange(M, device=rows.device)
-        # end[i]: the start of the next run after position i (M after the last run).
-        nxt = torch.where(first_b, pos, M)
-        nxt = torch.cat([nxt[1:], nxt.new_full((1,), M)])
-        end = nxt.flip(0).cummin(0).values.flip(0)
-        first = as_u8(first_b)
-        src, src_stride, col_stride = rows, source.stride(0), source.stride(1)
-        dst, dst_stride = rows, grad.stride(0)
+        programs = logits.shape[0]
+        every = torch.arange(programs, device=rows.device, dtype=rows.dtype)
+        # The run of row r in the sorted picks: [first[r], end[r]) (empty when unpicked).
+        first = torch.searchsorted(rows, every)
+        end = torch.searchsorted(rows, every, right=True)
+        src, src_stride, col_stride = None, source.stride(0), source.stride(1)
+        dst, dst_stride = None, grad.stride(0)
         x_base, g_base = source, grad
     else:
         view = source.narrow(*narrow) if narrow is not None else source
@@ -244,8 +240,11 @@ def logits_grad(
         src, src_stride, col_stride = src_lay.offsets, src_lay.stride, src_lay.col_stride
         dst, dst_stride = dst_lay.offsets, dst_lay.stride
         x_base, g_base = view, gview  # the offsets count from the views' first elements
-    block, warps = block_config(V, logits.element_size())
-    _logits_grad_kernel[(M,)](
+    if grouped:  # the summed gradient is one more value per column: half the block
+        block, warps = block_config(V, logits.element_size(), streams=2, per_thread=8)
+    else:
+        block, warps = block_config(V, logits.element_size())
+    _logits_grad_kernel[(programs,)](
         x_base,
         src if src is not None else dummy,
         src_stride,
@@ -254,6 +253,7 @@ def logits_grad(
         dst if dst is not None else dummy,
         dst_stride,
         real,
+        load_width(real, V),
         V,
         lse,
         alpha.contiguous(),

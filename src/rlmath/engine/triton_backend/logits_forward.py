@@ -18,6 +18,7 @@ from rlmath.engine.torch_backend.logits_forward import logits_stats as torch_log
 from rlmath.engine.triton_backend.launch import (
     block_config,
     int32_columns,
+    load_width,
     on_input_device,
     row_layout,
     temperature_args,
@@ -36,6 +37,7 @@ def _logits_stats_kernel(
     row_stride,
     col_stride,
     n,
+    n_load,
     TEMP,
     inv_t_scalar,
     LAB,
@@ -48,6 +50,7 @@ def _logits_stats_kernel(
     TEMP_MODE: tl.constexpr,
     WANT_T: tl.constexpr,
     HAS_LABELS: tl.constexpr,
+    PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -58,7 +61,9 @@ def _logits_stats_kernel(
     row = X + start
     inv_t = inv_temperature(TEMP, i, inv_t_scalar, TEMP_MODE)
     neg_inf = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
-    m, s, t = row_stats(row, col_stride, n, inv_t, neg_inf, 0.0, 0.0, TEMP_MODE, WANT_T, BLOCK)
+    m, s, t = row_stats(
+        row, col_stride, n, n_load, inv_t, neg_inf, 0.0, 0.0, TEMP_MODE, WANT_T, PAD, BLOCK
+    )
     tl.store(M_OUT + i, m)
     tl.store(S_OUT + i, s)
     if WANT_T:
@@ -117,12 +122,14 @@ def logits_stats(
     temp, inv_t, mode = temperature_args(temperature, m)
     lab = labels.contiguous() if labels is not None else m
     block, warps = block_config(real, logits.element_size())
+    n_load = load_width(real, logits.shape[-1])
     _logits_stats_kernel[(M,)](
         base,
         off if off is not None else m,
         row_stride,
         col_stride,
         real,
+        n_load,
         temp,
         inv_t,
         lab,
@@ -135,6 +142,7 @@ def logits_stats(
         TEMP_MODE=mode,
         WANT_T=want_entropy,
         HAS_LABELS=labels is not None,
+        PAD=n_load > real,
         BLOCK=block,
         num_warps=warps,
     )

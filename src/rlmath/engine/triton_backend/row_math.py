@@ -18,11 +18,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["grad_entries", "inv_temperature", "row_stats"]
+__all__ = ["exp_ftz", "grad_entries", "inv_temperature", "row_stats"]
 
 # exp(-1e4) is 0 in fp32: a floor for shifted logits and log-probs in products
 # with their own exponential, so that 0·(-inf) never makes a NaN.
 LS_FLOOR = tl.constexpr(-1e4)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_ftz(y):
+    """``e^y`` as ``2^(y·log2 e)``, results below ``2^-126`` flushed to zero.
+
+    ``tl.exp`` lowers to the same ``ex2.approx`` without flush-to-zero, which
+    ptxas wraps in a range fix-up (a compare, two multiplies and a select):
+    five instructions where ``tl.math.exp2`` (``ex2.approx.ftz.f32``) takes
+    two with the multiply. The kernels are instruction-bound at HBM speed,
+    so this matters; the lost subnormal results are below ``1.2e-38`` of a
+    sum whose largest term is 1 (a softmax), far under the fp32 rounding.
+    """
+    return tl.math.exp2(y * LOG2E)
 
 
 @triton.jit
@@ -43,18 +59,25 @@ def row_stats(
     ptr,
     col_stride,
     n,
+    n_load,
     inv_t,
     m0,
     s0,
     t0,
     TEMP_MODE: tl.constexpr,
     WANT_T: tl.constexpr,
+    PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``(m, s, t)`` of the ``n`` columns at ``ptr`` merged into the running ``(m0, s0, t0)``.
 
     Start from ``(-inf, 0, 0)`` for a whole row; the fused head passes the
     statistics of the previous vocabulary tiles. ``t`` is 0 unless ``WANT_T``.
+    The loads cover ``n_load >= n`` columns, all readable (``n`` rounded up to
+    a multiple of 16 within the row: a mask at a multiple of 16 lets Triton
+    read the row 128 bits at a time, one at ``n = 151665`` would not); with
+    ``PAD`` (``n_load > n``) the columns past ``n`` are set to ``-inf`` after
+    the load, whatever they hold.
     """
     cols = tl.arange(0, BLOCK)
     m = m0
@@ -63,21 +86,23 @@ def row_stats(
     t_vec = tl.where(first, t0, 0.0)
     for start in range(0, n, BLOCK):
         c = start + cols
-        x = tl.load(ptr + c * col_stride, mask=c < n, other=float("-inf")).to(tl.float32)
+        x = tl.load(ptr + c * col_stride, mask=c < n_load, other=float("-inf")).to(tl.float32)
+        if PAD:
+            x = tl.where(c < n, x, float("-inf"))
         if TEMP_MODE != 0:
             x = x * inv_t
         m_new = tl.maximum(m, tl.max(x, 0))
         if m_new > m:
             # The lanes' sums are relative to m: move them to m_new (a zero
             # scale where nothing was seen yet, m = -inf).
-            scale = tl.exp(m - m_new)
+            scale = exp_ftz(m - m_new)
             if WANT_T:
                 d = tl.where(m == float("-inf"), 0.0, m - m_new)
                 t_vec = scale * (t_vec + d * s_vec)
             s_vec = s_vec * scale
             m = m_new
         y = x - tl.where(m == float("-inf"), 0.0, m)
-        e = tl.exp(y)
+        e = exp_ftz(y)
         s_vec += e
         if WANT_T:
             t_vec += e * tl.maximum(y, LS_FLOOR)
@@ -116,7 +141,7 @@ def grad_entries(
     if TEMP_MODE != 0:
         x = x * inv_t
     ls = x - lse
-    p = tl.exp(ls)
+    p = exp_ftz(ls)
     g_cols = cols + col0
     if LOGP_ONLY:
         lab = tl.load(LAB)

@@ -16,11 +16,12 @@ from rlmath.engine.torch_backend.sum_pi_squared import pi_squared_stats as torch
 from rlmath.engine.triton_backend.launch import (
     block_config,
     int32_columns,
+    load_width,
     on_input_device,
     row_layout,
     temperature_args,
 )
-from rlmath.engine.triton_backend.row_math import inv_temperature
+from rlmath.engine.triton_backend.row_math import exp_ftz, inv_temperature
 
 __all__ = ["pi_squared_stats"]
 
@@ -32,6 +33,7 @@ def _pi_squared_kernel(
     row_stride,
     col_stride,
     n,
+    n_load,
     TEMP,
     inv_t_scalar,
     M_OUT,
@@ -39,11 +41,12 @@ def _pi_squared_kernel(
     U_OUT,
     HAS_OFF: tl.constexpr,
     TEMP_MODE: tl.constexpr,
+    PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     if HAS_OFF:
-        row = X + tl.load(OFF + i).to(tl.int64)
+        row = X + tl.load(OFF + i).to(tl.int64) * row_stride
     else:
         row = X + i * row_stride
     inv_t = inv_temperature(TEMP, i, inv_t_scalar, TEMP_MODE)
@@ -53,16 +56,19 @@ def _pi_squared_kernel(
     u = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         c = start + cols
-        x = tl.load(row + c * col_stride, mask=c < n, other=float("-inf")).to(tl.float32)
+        # Loads to n_load (a multiple of 16 where the row has it: 128-bit loads).
+        x = tl.load(row + c * col_stride, mask=c < n_load, other=float("-inf")).to(tl.float32)
+        if PAD:
+            x = tl.where(c < n, x, float("-inf"))
         if TEMP_MODE != 0:
             x = x * inv_t
         m_new = tl.maximum(m, tl.max(x, 0))
         if m_new > m:
-            scale = tl.exp(m - m_new)
+            scale = exp_ftz(m - m_new)
             s = s * scale
             u = u * (scale * scale)
             m = m_new
-        e = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+        e = exp_ftz(x - tl.where(m == float("-inf"), 0.0, m))
         s += e
         u += e * e
     tl.store(M_OUT + i, m)
@@ -95,12 +101,14 @@ def pi_squared_stats(
         return m, s, u
     temp, inv_t, mode = temperature_args(temperature, m)
     block, warps = block_config(real, logits.element_size())
+    n_load = load_width(real, logits.shape[-1])
     _pi_squared_kernel[(N,)](
         logits,
         lay.offsets if lay.offsets is not None else m,
         lay.stride,
         lay.col_stride,
         real,
+        n_load,
         temp,
         inv_t,
         m,
@@ -108,6 +116,7 @@ def pi_squared_stats(
         u,
         HAS_OFF=lay.offsets is not None,
         TEMP_MODE=mode,
+        PAD=n_load > real,
         BLOCK=block,
         num_warps=warps,
     )
