@@ -34,7 +34,7 @@ from rlmath.engine import ops
 from rlmath.engine.backends import resolve_backend
 from rlmath.engine.config import OpConfig, VocabParallel, VocabShard
 from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
-from rlmath.engine.groups import ProcessGroup, group_name, group_rank
+from rlmath.engine.groups import ProcessGroup, group_name, group_rank, group_size
 from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
 
@@ -85,7 +85,8 @@ def resolve_shard(
             if total is None:
                 return dtensor_shard
             first = dtensor_shard.start
-            return replace(dtensor_shard, real=max(0, min(width, total - first)))
+            real = max(0, min(width, total - first))
+            return replace(dtensor_shard, real=real, total=total if dtensor_shard.stride else 0)
         if total is None or total == width:
             return None
         if total > width:
@@ -131,10 +132,15 @@ def resolve_shard(
             f"vocabulary (start 0 and vocab_size <= {width}, its width). Initialize the "
             "process group first, or pass the group that holds the shards."
         )
+    stride = 0
     if start is None:
         start = group_rank(group) * width
+        stride = width
     real = width if total is None else max(0, min(width, total - start))
-    return VocabShard(start=start, real=real, group=group_id)
+    whole = total if total is not None else group_size(group) * width
+    return VocabShard(
+        start=start, real=real, group=group_id, stride=stride, total=whole if stride else 0
+    )
 
 
 def _validate_shard(
@@ -167,7 +173,13 @@ def _config(
         return OpConfig(backend=name, **fields)
     # Flat fields: a compiler tracing this call handles one plain dataclass.
     return OpConfig(
-        backend=name, shard_start=shard.start, shard_real=shard.real, group=shard.group, **fields
+        backend=name,
+        shard_start=shard.start,
+        shard_real=shard.real,
+        group=shard.group,
+        shard_stride=shard.stride,
+        shard_total=shard.total,
+        **fields,
     )
 
 

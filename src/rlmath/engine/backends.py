@@ -60,6 +60,13 @@ class Kernels:
     ``head_tiles`` optionally replaces :func:`rlmath.engine.policy.auto_tile_sizes`
     (same signature) as the rule that sizes the fused head's blocks for this
     backend's ``head_stats`` and ``head_grad``.
+
+    Sums over the vocabulary come back per 128-column tile (``(N, n)``, added
+    up by the engine in a fixed tree: :mod:`rlmath.engine.tree`) or already
+    added up (``(N,)``). A backend that returns tiles and gives ``logits_max``
+    (the rows' max alone) and ``logits_stats(..., shift=)`` (sums shifted by a
+    given max) is bitwise the same over a vocabulary split on the tile grid
+    as in one process.
     """
 
     logits_stats: Callable[..., Any]
@@ -70,6 +77,7 @@ class Kernels:
     head_grad: Callable[..., Any]
     pi_squared_stats: Callable[..., Any]
     head_tiles: Callable[..., tuple[int, int]] | None = None
+    logits_max: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,17 @@ class VocabShard:
         group: name of the process group over which the vocabulary is split
             (:func:`rlmath.engine.groups.group_name`); ``""`` is a world of one
             process, the single-process case.
+        stride: when every rank's columns follow from the shapes alone (rank
+            ``k`` starts at ``k · stride``: ``VocabParallel(start=None)`` or a
+            DTensor), that width; 0 when they do not (an explicit ``start``).
+        total: with ``stride``, the real tokens of the whole vocabulary.
     """
 
     start: int = 0
     real: int = -1
     group: str = ""
+    stride: int = 0
+    total: int = 0
 
     def real_columns(self, width: int) -> int:
         """Real local columns for a shard ``width`` columns wide (``real = -1``: all)."""
@@ -83,7 +89,8 @@ class OpConfig:
         vocab_chunk_size: vocabulary entries per fused-head tile (``None``: the policy).
         narrow: ``(dim, start, length)``: use the rows of
             ``logits.narrow(dim, start, length)`` (a batch dim), or ``None``.
-        shard_start, shard_real, group: the fields of the :class:`VocabShard`
+        shard_start, shard_real, group, shard_stride, shard_total: the fields of
+            the :class:`VocabShard`
             of this process (:attr:`shard`; flat, so that a compiler tracing the
             call handles one plain dataclass).
         reduce_grad_hidden: fused head only: sum the gradient of ``hidden`` over
@@ -104,6 +111,8 @@ class OpConfig:
     shard_start: int = 0
     shard_real: int = -1
     group: str = ""
+    shard_stride: int = 0
+    shard_total: int = 0
     reduce_grad_hidden: bool = True
     logit_scale: float = 1.0
     softcap: float = 0.0
@@ -111,7 +120,9 @@ class OpConfig:
     @property
     def shard(self) -> VocabShard:
         """The vocabulary columns this process holds."""
-        return VocabShard(self.shard_start, self.shard_real, self.group)
+        return VocabShard(
+            self.shard_start, self.shard_real, self.group, self.shard_stride, self.shard_total
+        )
 
     def op_args(self) -> tuple[str, str, list[float], list[int]]:
         """The fields as the operators' last four arguments: ``(backend, group, floats, ints)``.
@@ -130,6 +141,8 @@ class OpConfig:
             *narrow,
             self.shard_start,
             self.shard_real,
+            self.shard_stride,
+            self.shard_total,
             int(self.reduce_grad_hidden),
         ]
         floats = [float(self.temperature), float(self.logit_scale), float(self.softcap)]
@@ -140,7 +153,7 @@ class OpConfig:
         """The inverse of :meth:`op_args` (inside the operators)."""
         temperature, logit_scale, softcap = floats
         (want_entropy, has_ignore, ignore, chunk, vchunk, n_dim, n_start, n_len, start, real,
-         reduce) = ints  # fmt: skip
+         stride, total, reduce) = ints  # fmt: skip
         return OpConfig(
             backend=backend,
             temperature=temperature,
@@ -151,6 +164,8 @@ class OpConfig:
             narrow=(n_dim, n_start, n_len) if n_dim >= 0 else None,
             shard_start=start,
             shard_real=real,
+            shard_stride=stride,
+            shard_total=total,
             group=group,
             reduce_grad_hidden=bool(reduce),
             logit_scale=logit_scale,

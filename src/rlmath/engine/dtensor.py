@@ -120,7 +120,15 @@ def layout_of(x: Any, name: str, *, vocab_dim: int, batch_dims: tuple[int, ...])
                 f"{name}: the local shard has {local} vocabulary columns where DTensor's "
                 f"torch.chunk split gives {length}; only such shards are supported"
             )
-        shard = VocabShard(start=start, real=-1, group=group_name(mesh.get_group(vocab_mesh_dim)))
+        # Rank k starts at k · ceil(V / ranks) (torch.chunk): the layout follows from the shape.
+        stride = -(-vocab // mesh.size(vocab_mesh_dim))
+        shard = VocabShard(
+            start=start,
+            real=-1,
+            group=group_name(mesh.get_group(vocab_mesh_dim)),
+            stride=stride,
+            total=vocab,
+        )
     return Layout(mesh, tuple(shard_dims), vocab_mesh_dim, shard)
 
 

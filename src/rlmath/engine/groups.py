@@ -21,6 +21,7 @@ from torch.distributed import distributed_c10d
 
 __all__ = [
     "ProcessGroup",
+    "all_gather",
     "all_reduce",
     "group_name",
     "group_rank",
@@ -94,3 +95,10 @@ def all_reduce(x: torch.Tensor, op: str, group: ProcessGroup | None) -> torch.Te
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     dist.all_reduce(out, op=reduce_op[op], group=group)
     return out
+
+
+def all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` (the same shape on each), stacked in rank order: ``(world, *x.shape)``."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.detach().contiguous(), group=group)
+    return torch.stack(parts)

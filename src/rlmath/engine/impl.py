@@ -28,7 +28,12 @@ from rlmath.engine.stats import (
     combine_kl,
     combine_pi_squared,
     combine_shards,
+    combine_tiles,
+    finish_kl,
+    fold_tiles,
+    global_max,
     grad_coefficients,
+    tiles_in_tree_order,
 )
 
 __all__ = [
@@ -187,22 +192,38 @@ def logits_forward(
         s = torch.zeros(M, dtype=cdt, device=dev)
         t = torch.zeros(M, dtype=cdt, device=dev) if cfg.want_entropy else None
         z = torch.zeros(labels.shape, dtype=cdt, device=dev) if labels is not None else None
+        big, log_s, ent, z_all, held = combine_shards(
+            m, s, t, z, lab.owned if lab is not None else None, group,
+            (cfg.shard.start, logits.shape[-1]),
+        )  # fmt: skip
     else:
-        m, s, t, z = kernels.logits_stats(
-            logits,
-            row_index,
-            cfg.narrow,
-            lab.local if lab is not None else None,
-            temp,
-            cfg.want_entropy,
-            real,
-            cfg.chunk_size,
-            cdt,
-        )
-    big, log_s, ent, z_all, held = combine_shards(
-        m, s, t, z, lab.owned if lab is not None else None, group,
-        (cfg.shard.start, logits.shape[-1]),
-    )  # fmt: skip
+        args = (logits, row_index, cfg.narrow)
+        owned = lab.owned if lab is not None else None
+        layout = (cfg.shard.start, logits.shape[-1])
+        if tiles_in_tree_order(cfg.shard, group) and kernels.logits_max is not None:
+            # Every shard shifts by the row's global max and adds its tiles in the
+            # single-process tree: bitwise the result of one process.
+            assert group is not None
+            shift = global_max(
+                kernels.logits_max(*args, temp, real, cfg.chunk_size, cdt), group, layout
+            )
+            m, s, t, z = kernels.logits_stats(
+                *args, lab.local if lab is not None else None, temp, cfg.want_entropy, real,
+                cfg.chunk_size, cdt, shift=shift,
+            )  # fmt: skip
+            sums, z_all, held = combine_tiles(
+                m, [x for x in (s, t) if x is not None], z, owned, cfg.shard, group
+            )
+            big, log_s = m, sums[0].log()
+            ent = log_s - sums[1] / sums[0] if t is not None else None
+        else:
+            m, s, t, z = kernels.logits_stats(
+                *args, lab.local if lab is not None else None, temp, cfg.want_entropy, real,
+                cfg.chunk_size, cdt,
+            )  # fmt: skip
+            s_row, t_row = fold_tiles(s, t)
+            assert s_row is not None
+            big, log_s, ent, z_all, held = combine_shards(m, s_row, t_row, z, owned, group, layout)
     lse = big + log_s
     if lab is not None:
         assert z_all is not None
@@ -287,8 +308,48 @@ def kl_forward(
     real = cfg.shard.real_columns(logits.shape[-1])
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)
+    group = _group(cfg)
+    layout = (cfg.shard.start, logits.shape[-1])
+    if tiles_in_tree_order(cfg.shard, group) and kernels.logits_max is not None:
+        assert group is not None
+        return _kl_in_tree_order(logits, ref_logits, temp, real, cdt, cfg, group, layout)
     kl, lse_z, lse_r = kernels.kl_stats(logits, ref_logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
-    return combine_kl(kl, lse_z, lse_r, _group(cfg), (cfg.shard.start, logits.shape[-1]))
+    return combine_kl(kl, lse_z, lse_r, group, layout)
+
+
+def _kl_in_tree_order(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temp: Temp,
+    real: int,
+    cdt: torch.dtype,
+    cfg: OpConfig,
+    group: ProcessGroup,
+    layout: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The KL over shards on the tile grid: bitwise one process's (three collectives).
+
+    The global maxima, then every shard's tiles of both sum-exps added in the
+    single-process tree, then the tiles of ``Σ e^{z - max z}·(ls^z - ls^r)``
+    the same way; the operations per entry are those of one process.
+    """
+    kernels = get_kernels(cfg.backend)
+    assert kernels.logits_max is not None
+    chunk = cfg.chunk_size
+    maxima = torch.stack(
+        [kernels.logits_max(x, None, None, temp, real, chunk, cdt) for x in (logits, ref_logits)],
+        -1,
+    )
+    big = global_max(maxima, group, layout)
+    shift = (big[:, 0], big[:, 1])
+    tiles = kernels.kl_stats(logits, ref_logits, temp, real, chunk, cdt, shift=shift)
+    (sz, sr), _, _ = combine_tiles(big[:, 0], list(tiles), None, None, cfg.shard, group)
+    log_sums = (sz.log(), sr.log())
+    (wd,) = kernels.kl_stats(
+        logits, ref_logits, temp, real, chunk, cdt, shift=shift, log_sums=log_sums
+    )
+    (a,), _, _ = combine_tiles(big[:, 0], [wd], None, None, cfg.shard, group)
+    return finish_kl(a.div(sz), shift[0], log_sums[0], shift[1], log_sums[1])
 
 
 def kl_backward(
@@ -479,5 +540,18 @@ def pi_squared(
     real = cfg.shard.real_columns(logits.shape[-1])
     temp = _row_temperature(temperature, cfg.temperature, tuple(logits.shape[:-1]), cdt)
     kernels = get_kernels(cfg.backend)
+    group = _group(cfg)
+    layout = (cfg.shard.start, logits.shape[-1])
+    if tiles_in_tree_order(cfg.shard, group) and kernels.logits_max is not None:
+        # As for the log-probs: the global max first, then the tiles in the fixed tree.
+        assert group is not None
+        shift = global_max(
+            kernels.logits_max(logits, None, None, temp, real, cfg.chunk_size, cdt), group, layout
+        )
+        m, s, u = kernels.pi_squared_stats(logits, temp, real, cfg.chunk_size, cdt, shift=shift)
+        (s_all, u_all), _, _ = combine_tiles(m, [s, u], None, None, cfg.shard, group)
+        return u_all / s_all.square()
     m, s, u = kernels.pi_squared_stats(logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
-    return combine_pi_squared(m, s, u, _group(cfg), (cfg.shard.start, logits.shape[-1]))
+    s_row, u_row = fold_tiles(s, u)
+    assert s_row is not None and u_row is not None
+    return combine_pi_squared(m, s_row, u_row, group, layout)

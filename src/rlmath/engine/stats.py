@@ -17,15 +17,22 @@ import torch
 import torch.distributed as dist
 
 from rlmath import _device
-from rlmath.engine.groups import ProcessGroup, all_reduce
+from rlmath.engine import tree
+from rlmath.engine.config import VocabShard
+from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 
 __all__ = [
     "ShardLayoutError",
     "combine_kl",
     "combine_pi_squared",
     "combine_shards",
+    "combine_tiles",
+    "finish_kl",
+    "fold_tiles",
+    "global_max",
     "grad_coefficients",
     "merge_tile_stats",
+    "tiles_in_tree_order",
 ]
 
 
@@ -244,3 +251,130 @@ def grad_coefficients(
 
 def _col(x: torch.Tensor | float) -> torch.Tensor | float:
     return x.unsqueeze(-1) if isinstance(x, torch.Tensor) else x
+
+
+# ------------------------------------------------------------ the fixed tree over tiles
+
+
+def fold_tiles(*sums: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each ``(N, n)`` per-tile sum added up in the fixed tree (``(N,)``); ``(N,)`` inputs pass.
+
+    A backend returns its sums either per 128-column tile (the pure-torch one;
+    :mod:`rlmath.engine.tree`) or already added up over its columns.
+    """
+    present = [x for x in sums if x is not None and x.dim() == 2]
+    if not present:
+        return list(sums)
+    root = tree.fold(torch.stack(present, -1))
+    out: list[torch.Tensor | None] = []
+    k = 0
+    for x in sums:
+        if x is not None and x.dim() == 2:
+            out.append(root[:, k])
+            k += 1
+        else:
+            out.append(x)
+    return out
+
+
+def tiles_in_tree_order(shard: VocabShard, group: ProcessGroup | None) -> bool:
+    """Whether this shard's tile sums can be added in the single-process tree across the group.
+
+    Needs every rank's columns from the shapes alone (:attr:`VocabShard.stride`)
+    and shards that start on the 128-column tile grid.
+    """
+    return group is not None and shard.stride > 0 and shard.stride % tree.TILE == 0
+
+
+def global_max(m: torch.Tensor, group: ProcessGroup, layout: tuple[int, int]) -> torch.Tensor:
+    """The max of each row over the group, the layout checked as in :func:`combine_shards`."""
+    big, ok = _max_with_layout(m, layout, group)
+    return torch.where(ok, big, float("nan"))
+
+
+def combine_tiles(
+    big: torch.Tensor,
+    sums: list[torch.Tensor],
+    z_labels: torch.Tensor | None,
+    owned: torch.Tensor | None,
+    shard: VocabShard,
+    group: ProcessGroup,
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """Per-tile sums of every shard added in the single-process tree: bitwise one process's sums.
+
+    Every shard's sums are shifted by the same global row max ``big``
+    (:func:`global_max`), so the tree only adds. Each rank hands on the nodes
+    of the tree inside its run of tiles (:func:`rlmath.engine.tree.node_plan`,
+    known to every rank from the layout); one all-gather carries them with the
+    label logits (only the owner's is non-zero) and the owner flags, and each
+    rank finishes the tree from the nodes in the same order.
+
+    Args:
+        big: ``(N,)`` global row max.
+        sums: ``(N, n)`` per-tile sums of this shard's real columns.
+        z_labels: ``(N, K)`` scaled label logits (any value where not owned), or ``None``.
+        owned: ``(N, K)`` bool, the labels this shard holds.
+        shard: this shard (:attr:`~VocabShard.stride` > 0, a multiple of the tile width).
+        group: the vocabulary-parallel group.
+
+    Returns:
+        ``(sums (N,) each, label logits (N, K) or None, held (N, K) or None)``.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    total = tree.tile_count(shard.total)
+    plans = []
+    for k in range(world):
+        start = k * shard.stride
+        real = max(0, min(shard.stride, shard.total - start))
+        plans.append(tree.node_plan(start // tree.TILE, tree.tile_count(real), total))
+    slots = max(len(p) for p in plans)
+    n_rows, width = big.shape[0], len(sums)
+    nodes = torch.zeros(n_rows, slots, width, dtype=big.dtype, device=big.device)
+    for j, v in enumerate(
+        tree.local_nodes(torch.stack(sums, -1), me * shard.stride // tree.TILE, total)
+    ):
+        nodes[:, j] = v
+    parts = [nodes.reshape(n_rows, -1)]
+    k_labels = 0
+    if z_labels is not None:
+        k_labels = z_labels.shape[-1]
+        parts.append(torch.where(owned, z_labels, 0) if owned is not None else z_labels)
+        if owned is not None:
+            parts.append(owned.to(big.dtype))
+    everyone = all_gather(torch.cat(parts, -1), group)  # (world, N, ·)
+    table = {
+        node: everyone[k, :, j * width : (j + 1) * width]
+        for k, plan in enumerate(plans)
+        for j, node in enumerate(plan)
+    }
+    root = tree.evaluate(table, total) if total else big.new_zeros(n_rows, width)
+    z_all = held = None
+    if z_labels is not None:
+        first = slots * width
+        z_all = everyone[:, :, first : first + k_labels].sum(0)
+        if owned is not None:
+            held = everyone[:, :, first + k_labels :].sum(0) > 0
+    return list(root.unbind(-1)), z_all, held
+
+
+def finish_kl(
+    kl: torch.Tensor, mz: torch.Tensor, log_sz: torch.Tensor, mr: torch.Tensor, log_sr: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(KL, lse_z, lse_r)`` from :func:`chunk_kl`'s statistics, for all rows at once.
+
+    Entries with ``p_j = 0`` contribute 0 even when both logits are ``-inf``;
+    ``p_j > 0`` where the reference is ``-inf`` makes the KL ``+inf``. A row
+    whose policy logits are all ``-inf`` (no mass in this shard) gives
+    ``KL = 0, lse_z = -inf``. Clamped at 0 (rounding could leave a hair below).
+    A NaN in either row makes its KL NaN.
+    """
+    dead_z, dead_r = mz == NEG_INF, mr == NEG_INF
+    shift = log_sz - log_sr
+    kl = kl.clamp_min(0)
+    kl = torch.where(dead_r & ~dead_z, float("inf"), kl)
+    kl = torch.where(dead_z, 0, kl)
+    # A NaN logit only reaches a log-sum (the NaN-skipping sum drops it): keep it visible.
+    kl = torch.where(torch.isnan(shift), shift, kl)
+    lse_z = torch.where(dead_z, NEG_INF, mz + log_sz)
+    lse_r = torch.where(dead_r, NEG_INF, mr + log_sr)
+    return kl, lse_z, lse_r

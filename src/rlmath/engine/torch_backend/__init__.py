@@ -13,7 +13,7 @@ from rlmath.engine.torch_backend.head_forward import head_stats
 from rlmath.engine.torch_backend.kl_backward import kl_grad
 from rlmath.engine.torch_backend.kl_forward import kl_stats
 from rlmath.engine.torch_backend.logits_backward import logits_grad
-from rlmath.engine.torch_backend.logits_forward import logits_stats
+from rlmath.engine.torch_backend.logits_forward import logits_max, logits_stats
 from rlmath.engine.torch_backend.sum_pi_squared import pi_squared_stats
 
 __all__ = ["TORCH_BACKEND", "TORCH_KERNELS"]
@@ -26,6 +26,7 @@ TORCH_KERNELS = Kernels(
     head_stats=head_stats,
     head_grad=head_grad,
     pi_squared_stats=pi_squared_stats,
+    logits_max=logits_max,
 )
 
 TORCH_BACKEND = Backend(name="torch", kernels=TORCH_KERNELS, priority=-1)

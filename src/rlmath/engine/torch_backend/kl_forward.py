@@ -2,9 +2,14 @@
 
 ``KL = Σ_j p_j·(ls^z_j - ls^r_j)`` per row, a weighted sum of per-entry
 differences (not ``Σ p·z - lse_z - (Σ p·r - lse_r)``) so that the small KL of
-two close distributions is not lost to cancellation. For a vocabulary shard
-the normalization is local: the engine combines the shards by the chain rule
-of the KL (:func:`rlmath.engine.stats.combine_kl`).
+two close distributions is not lost to cancellation. Every sum over the
+vocabulary is taken per 128-column tile and the tiles added in the fixed tree
+of :mod:`rlmath.engine.tree`. A vocabulary shard on the tile grid runs the
+same sums in two phases (:func:`kl_stats` with ``shift`` and ``log_sums``),
+between which the engine adds every shard's tiles in that tree, so that the
+result is bitwise one process's; other shards normalize locally and the
+engine combines them by the chain rule of the KL
+(:func:`rlmath.engine.stats.combine_kl`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import torch
 
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
+from rlmath.engine.stats import finish_kl
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
-from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
+from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
+from rlmath.engine.tree import fold, tile_count, tile_sums
 
-__all__ = ["chunk_kl", "finish_kl", "kl_stats"]
+__all__ = ["chunk_kl", "kl_stats"]
 
 NEG_INF = float("-inf")
 
@@ -44,37 +51,26 @@ def chunk_kl(
     mz = scaled_max(src_z, temperature, ws.dtype)
     mr = scaled_max(src_r, temperature, ws.dtype)
     yr = scaled_shift(src_r, temperature, torch.where(mr == NEG_INF, 0, mr), ws.get("yr", c))
-    log_sr = row_sum(torch.exp(yr, out=e)).log()
+    log_sr = _tree_sum(torch.exp(yr, out=e)).log()
     yz = scaled_shift(src_z, temperature, torch.where(mz == NEG_INF, 0, mz), ws.get("y", c))
-    sz = row_sum(torch.exp(yz, out=e))
+    sz = _tree_sum(torch.exp(yz, out=e))
     log_sz = sz.log()
-    # d = ls_z - ls_r; NaN where both logits are -inf (then p = 0: skipped by nansum).
-    d = yz.sub_(yr).sub_((log_sz - log_sr).unsqueeze(-1))
-    kl = row_nansum(e.mul_(d)).div_(sz)
+    kl = _tree_sum(_weighted_difference(e, yz, yr, log_sz, log_sr), nan=True).div_(sz)
     return kl, mz.squeeze(-1), log_sz, mr.squeeze(-1), log_sr
 
 
-def finish_kl(
-    kl: torch.Tensor, mz: torch.Tensor, log_sz: torch.Tensor, mr: torch.Tensor, log_sr: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(KL, lse_z, lse_r)`` from :func:`chunk_kl`'s statistics, for all rows at once.
+def _tree_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
+    """Row sums of a ``(c, V)`` chunk in the fixed order: tiles, then the tree."""
+    return fold(tile_sums(x, nan=nan).unsqueeze(-1))[:, 0]
 
-    Entries with ``p_j = 0`` contribute 0 even when both logits are ``-inf``;
-    ``p_j > 0`` where the reference is ``-inf`` makes the KL ``+inf``. A row
-    whose policy logits are all ``-inf`` (no mass in this shard) gives
-    ``KL = 0, lse_z = -inf``. Clamped at 0 (rounding could leave a hair below).
-    A NaN in either row makes its KL NaN.
-    """
-    dead_z, dead_r = mz == NEG_INF, mr == NEG_INF
-    shift = log_sz - log_sr
-    kl = kl.clamp_min(0)
-    kl = torch.where(dead_r & ~dead_z, float("inf"), kl)
-    kl = torch.where(dead_z, 0, kl)
-    # A NaN logit only reaches a log-sum (the NaN-skipping sum drops it): keep it visible.
-    kl = torch.where(torch.isnan(shift), shift, kl)
-    lse_z = torch.where(dead_z, NEG_INF, mz + log_sz)
-    lse_r = torch.where(dead_r, NEG_INF, mr + log_sr)
-    return kl, lse_z, lse_r
+
+def _weighted_difference(
+    e: torch.Tensor, yz: torch.Tensor, yr: torch.Tensor, log_sz: torch.Tensor, log_sr: torch.Tensor
+) -> torch.Tensor:
+    """``e·(ls^z - ls^r)`` in place of ``e`` (``yz`` is overwritten); NaN where both logits are
+    ``-inf`` (then ``e = 0``: the NaN-skipping sum drops it)."""
+    d = yz.sub_(yr).sub_((log_sz - log_sr).unsqueeze(-1))
+    return e.mul_(d)
 
 
 def kl_stats(
@@ -84,12 +80,25 @@ def kl_stats(
     real: int,
     chunk: int | None,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`chunk_kl` of every row (only the first ``real`` columns), ``(N,)`` each."""
+    *,
+    shift: tuple[torch.Tensor, torch.Tensor] | None = None,
+    log_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``(KL, lse_z, lse_r)`` of every row (only the first ``real`` columns), ``(N,)`` each.
+
+    The two phases of a vocabulary shard on the tile grid, each shifted by the
+    rows' global maxima ``shift = (max z, max r)`` ``(N,)``: without
+    ``log_sums``, the per-tile sums ``(Σ e^{z - max z}, Σ e^{r - max r})``
+    ``(N, n)``; with the global
+    ``log_sums = (log Σ e^{z - max z}, log Σ e^{r - max r})``, the per-tile sums
+    of ``e^{z - max z}·(ls^z - ls^r)`` ``(N, n)`` (one tensor).
+    """
     dev = logits.device
     lay_z = RowBlocks(real_columns(logits, real))
     lay_r = RowBlocks(real_columns(ref_logits, real))
     N = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    if shift is not None:
+        return _shard_phase(lay_z, lay_r, N, temperature, real, chunk, dtype, shift, log_sums)
     stats = [torch.zeros(N, dtype=dtype, device=dev) for _ in range(5)]
     if N == 0 or real == 0:
         stats[1].fill_(NEG_INF)
@@ -105,3 +114,42 @@ def kl_stats(
 
     run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
     return finish_kl(*stats)
+
+
+def _shard_phase(
+    lay_z: RowBlocks,
+    lay_r: RowBlocks,
+    N: int,
+    temperature: Temperature,
+    real: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+    shift: tuple[torch.Tensor, torch.Tensor],
+    log_sums: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, ...]:
+    """One phase of :func:`kl_stats` on a shard: the operations of :func:`chunk_kl`."""
+    dev = shift[0].device
+    n = tile_count(real)
+    outs = [torch.zeros(N, n, dtype=dtype, device=dev) for _ in range(1 if log_sums else 2)]
+    if N == 0 or real == 0:
+        return tuple(outs)
+    chunk = chunk or auto_chunk_size(real, N, device=dev)
+    temp = TemperatureColumn(temperature, dtype, dev)
+    mz_all, mr_all = (torch.where(m == NEG_INF, 0, m).unsqueeze(-1) for m in shift)
+    ranges = list(chunk_ranges(N, chunk, lay_z, lay_r))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
+        c, t = b - a, temp.rows(a, b)
+        e = ws.get("e", c)
+        yr = scaled_shift(lay_r.get(a, b), t, mr_all[a:b], ws.get("yr", c))
+        yz = scaled_shift(lay_z.get(a, b), t, mz_all[a:b], ws.get("y", c))
+        if log_sums is None:
+            outs[1][a:b] = tile_sums(torch.exp(yr, out=e))
+            outs[0][a:b] = tile_sums(torch.exp(yz, out=e))
+        else:
+            torch.exp(yz, out=e)
+            wd = _weighted_difference(e, yz, yr, log_sums[0][a:b], log_sums[1][a:b])
+            outs[0][a:b] = tile_sums(wd, nan=True)
+
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
+    return tuple(outs)

@@ -1,12 +1,14 @@
 """The forward pass over logits: per-row statistics, one chunk of rows at a time.
 
 One read of each chunk: its max, one fused shift by the max (and division by
-the temperature), ``exp``, and the row sums of ``exp(y)`` and (for the
-entropy) ``exp(y)·y``. ``-inf`` logits (a padded vocabulary) give
-``exp(y) = 0`` and ``y = -inf``; their ``0·(-inf)`` products are dropped by a
-NaN-ignoring sum. A row whose logits are all ``-inf`` has no mass: it gives
-``m = -inf, s = t = 0`` (another vocabulary shard then decides the row). A NaN
-logit makes its row's statistics NaN.
+the temperature), ``exp``, and the sums of ``exp(y)`` and (for the entropy)
+``exp(y)·y`` over each 128-column tile of the row (:mod:`rlmath.engine.tree`:
+the engine adds the tiles in a fixed tree, so that a row's sums do not depend
+on how the vocabulary is split over processes). ``-inf`` logits (a padded
+vocabulary) give ``exp(y) = 0`` and ``y = -inf``; their ``0·(-inf)`` products
+are dropped by a NaN-ignoring sum. A row whose logits are all ``-inf`` has no
+mass: it gives ``m = -inf, s = t = 0`` (another vocabulary shard then decides
+the row). A NaN logit makes its row's statistics NaN.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
-from rlmath.engine.torch_backend.reductions import row_nansum, row_sum, scaled_max, scaled_shift
+from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
+from rlmath.engine.tree import tile_count, tile_sums
 
-__all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_stats"]
+__all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_max", "logits_stats"]
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -30,38 +33,48 @@ def chunk_stats(
     *,
     temperature: torch.Tensor | None = None,
     entropy: bool = False,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Unnormalized per-row statistics of one ``(c, V)`` chunk of raw logits.
 
-    Returns ``(m, s, t)``: ``m = max z`` ``(c,)``, ``s = Σ exp(z - m)`` ``(c,)`` and
-    ``t = Σ exp(z - m)·(z - m)`` ``(c,)`` (only with ``entropy``), in the compute
-    dtype of ``ws``. A row without a finite logit gives ``m = -inf`` and NaN
-    sums (:func:`drop_dead_rows` turns them into zeros).
+    Returns ``(m, s, t)``: ``m = max z`` ``(c,)``, and per 128-column tile
+    ``s = Σ exp(z - m)`` ``(c, n)`` and ``t = Σ exp(z - m)·(z - m)`` ``(c, n)``
+    (only with ``entropy``), in the compute dtype of ``ws``. A row without a
+    finite logit gives ``m = -inf`` and NaN sums (:func:`drop_dead_rows` turns
+    them into zeros).
 
     Args:
-        src: ``(c, V)`` raw logits, any floating dtype and strides (read only).
+        src: ``(c, V)`` raw logits, any floating dtype and strides (read only);
+            column 0 is the first column of a tile.
         ws: scratch buffers (uses ``"y"`` and, for the entropy, ``"e"``).
         temperature: ``None`` or ``(c, 1)`` / ``(1, 1)`` tensor in the compute dtype.
         entropy: also compute ``t``.
+        shift: ``(c, 1)``: the max to shift by (the row's max over every shard
+            of the vocabulary) instead of this chunk's own.
     """
     c = src.shape[0]
-    m = scaled_max(src, temperature, ws.dtype)
+    m = scaled_max(src, temperature, ws.dtype) if shift is None else shift
     y = scaled_shift(src, temperature, m, ws.get("y", c))
     t: torch.Tensor | None = None
     if entropy:
         e = torch.exp(y, out=ws.get("e", c))
-        s = row_sum(e)
-        t = row_nansum(e.mul_(y))
+        s = tile_sums(e)
+        t = tile_sums(e.mul_(y), nan=True)
     else:
-        s = row_sum(y.exp_())
+        s = tile_sums(y.exp_())
     return m.squeeze(-1), s, t
 
 
 def drop_dead_rows(
     m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``s = t = 0`` for rows with ``m = -inf`` (no finite logit: no mass), for all rows at once."""
+    """``s = t = 0`` for rows with ``m = -inf`` (no finite logit: no mass), for all rows at once.
+
+    ``s`` and ``t`` are ``(M,)`` or, per tile, ``(M, n)``.
+    """
     dead = m == float("-inf")
+    if s.dim() == 2:
+        dead = dead.unsqueeze(-1)
     return m, torch.where(dead, 0, s), torch.where(dead, 0, t) if t is not None else None
 
 
@@ -98,6 +111,7 @@ def logits_stats(
     real: int,
     chunk: int | None,
     dtype: torch.dtype,
+    shift: torch.Tensor | None = None,
 ) -> Stats:
     """:func:`chunk_stats` of every selected row of ``logits``, chunk by chunk.
 
@@ -110,16 +124,21 @@ def logits_stats(
         real: columns of ``logits`` that are real tokens.
         chunk: rows per chunk (``None``: :func:`rlmath.engine.policy.auto_chunk_size`).
         dtype: the compute dtype.
+        shift: ``(M,)`` the max of each row over the whole vocabulary, to shift
+            by instead of the max of the columns read here (:func:`logits_max`
+            of every shard, combined).
 
     Returns:
-        ``(m, s, t, z_labels)`` for the ``M`` selected rows.
+        ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``, ``s``
+        and ``t`` per tile ``(M, ceil(real / 128))``.
     """
     dev = logits.device
     src = RowSource(logits, real, row_index, narrow)
     M = src.num_rows
+    n = tile_count(real)
     m = torch.full((M,), float("-inf"), dtype=dtype, device=dev)
-    s = torch.zeros(M, dtype=dtype, device=dev)
-    t = torch.zeros(M, dtype=dtype, device=dev) if want_entropy else None
+    s = torch.zeros(M, n, dtype=dtype, device=dev)
+    t = torch.zeros(M, n, dtype=dtype, device=dev) if want_entropy else None
     z = torch.zeros(labels.shape, dtype=dtype, device=dev) if labels is not None else None
     if M == 0 or real == 0:
         return m, s, t, z
@@ -129,7 +148,11 @@ def logits_stats(
 
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
         cm, cs, ct = chunk_stats(
-            src.rows(a, b, ws), ws, temperature=temp.rows(a, b), entropy=want_entropy
+            src.rows(a, b, ws),
+            ws,
+            temperature=temp.rows(a, b),
+            entropy=want_entropy,
+            shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
         )
         m[a:b], s[a:b] = cm, cs
         if t is not None and ct is not None:
@@ -140,3 +163,35 @@ def logits_stats(
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)
     return m, s, t, z
+
+
+def logits_max(
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    narrow: tuple[int, int, int] | None,
+    temperature: Temperature,
+    real: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The max of each selected row's scaled logits ``(M,)`` (``-inf`` without a column).
+
+    ``max(x) / T`` rounds to the max of ``x / T`` (division by ``T > 0`` and
+    rounding are monotonic), so the max over shards of each shard's value is
+    the whole row's. Arguments as in :func:`logits_stats`.
+    """
+    dev = logits.device
+    src = RowSource(logits, real, row_index, narrow)
+    M = src.num_rows
+    m = torch.full((M,), float("-inf"), dtype=dtype, device=dev)
+    if M == 0 or real == 0:
+        return m
+    chunk = chunk or auto_chunk_size(real, M, device=dev)
+    temp = TemperatureColumn(temperature, dtype, dev)
+    ranges = list(src.ranges(chunk))
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
+        m[a:b] = scaled_max(src.rows(a, b, ws), temp.rows(a, b), dtype).squeeze(-1)
+
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
+    return m

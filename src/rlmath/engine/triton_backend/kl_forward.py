@@ -139,7 +139,8 @@ def kl_stats(
     pure-torch pass.
     """
     if dtype != torch.float32:
-        return torch_kl_stats(logits, ref_logits, temperature, real, chunk, dtype)
+        kl, lse_z, lse_r = torch_kl_stats(logits, ref_logits, temperature, real, chunk, dtype)
+        return kl, lse_z, lse_r
     dev = logits.device
     logits, ref_logits = int32_columns(logits), int32_columns(ref_logits)
     lz, lr = row_layout(logits), row_layout(ref_logits)

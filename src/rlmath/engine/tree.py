@@ -1,0 +1,153 @@
+"""One fixed order of summation over the vocabulary: 128-column tiles, then a fixed binary tree.
+
+A row's sums over the vocabulary (``Σ exp(z - M)``, the entropy's
+``Σ exp(z - M)·(z - M)``, ``Σ π²``'s ``Σ exp(2(z - M))``, all shifted by the
+row's *global* max ``M``) are taken in one order that depends on nothing but
+the vocabulary size:
+
+1. the columns are cut into tiles of :data:`TILE` global columns (the last
+   one may be shorter), and each tile is summed on its own;
+2. the tile sums are added in a binary tree over the global tile index: at
+   level ``L`` node ``i`` is the sum of nodes ``2i`` and ``2i + 1`` of level
+   ``L - 1``, or node ``2i`` alone when ``2i + 1`` is past the end.
+
+A process that holds an aligned run of tiles (a vocabulary shard whose first
+column is a multiple of :data:`TILE`) computes exactly the nodes of that tree
+that lie inside its run (:func:`local_nodes`); :func:`evaluate` finishes the
+tree from the nodes of every shard. The result is then bitwise the one a
+single process computes over the whole vocabulary, whatever the number of
+shards, because every addition has the same two operands in the same order.
+Each tile's own sum is a reduction of a fixed length over contiguous
+columns, which gives the same bits for the same values whatever the batch,
+the chunk or the thread count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TILE", "evaluate", "fold", "level_counts", "local_nodes", "node_plan", "tile_sums"]
+
+TILE = 128
+"""Width of a vocabulary tile in columns (a multiple of every SIMD width)."""
+
+Node = tuple[int, int]
+"""``(level, index)`` of a tree node: the sum of tiles ``[index·2^level, (index+1)·2^level)``."""
+
+
+def tile_count(columns: int) -> int:
+    """Tiles covering ``columns`` columns."""
+    return -(-columns // TILE)
+
+
+def tile_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
+    """Per-tile row sums of ``x``, whose column 0 is the first column of a tile.
+
+    Shape: ``(c, R)`` → ``(c, ceil(R / TILE))``, dtype of ``x``. ``nan``: skip
+    NaN entries (the ``0·(-inf)`` products of a masked vocabulary).
+    """
+    c, r = x.shape
+    full = r // TILE
+    parts = []
+    if full:
+        tiles = x.narrow(-1, 0, full * TILE).unflatten(-1, (full, TILE))
+        parts.append(tiles.nansum(-1) if nan else tiles.sum(-1))
+    if r % TILE:
+        tail = x.narrow(-1, full * TILE, r - full * TILE)
+        parts.append(tail.nansum(-1, keepdim=True) if nan else tail.sum(-1, keepdim=True))
+    if not parts:
+        return x.new_zeros(c, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+def level_counts(total: int) -> list[int]:
+    """Nodes per level of the tree over ``total`` tiles: ``total, ceil(total/2), ..., 1``."""
+    counts = [total]
+    while counts[-1] > 1:
+        counts.append((counts[-1] + 1) // 2)
+    return counts
+
+
+def node_plan(first: int, count: int, total: int) -> list[Node]:
+    """The nodes that tiles ``[first, first + count)`` of ``total`` hand on, in the order of
+    :func:`local_nodes`.
+
+    These are the largest nodes whose tiles all lie in the run: the parent of
+    each would need a tile of another run. A run of every tile hands on the
+    root alone. Pure arithmetic, so that each process knows every other's plan.
+    """
+    plan: list[Node] = []
+    lo, hi, n, level = first, first + count, total, 0
+    while lo < hi:
+        if n == 1:
+            plan.append((level, 0))
+            break
+        if lo % 2:
+            plan.append((level, lo))
+            lo += 1
+        if hi % 2 and hi < n and lo < hi:
+            plan.append((level, hi - 1))
+            hi -= 1
+        lo, hi, n, level = lo // 2, (hi + 1) // 2, (n + 1) // 2, level + 1
+    return plan
+
+
+def local_nodes(x: torch.Tensor, first: int, total: int) -> list[torch.Tensor]:
+    """The values of :func:`node_plan`'s nodes from the tile sums of one run.
+
+    Args:
+        x: ``(c, count, k)`` tile sums of tiles ``[first, first + count)`` (``k``
+            sums per tile, added independently).
+        first: global index of the run's first tile.
+        total: tiles of the whole vocabulary.
+
+    Returns:
+        One ``(c, k)`` tensor per node of ``node_plan(first, count, total)``, in its order.
+    """
+    out: list[torch.Tensor] = []
+    lo, hi, n = first, first + x.shape[1], total
+    while lo < hi:
+        if n == 1:
+            out.append(x[:, 0])
+            break
+        if lo % 2:
+            out.append(x[:, 0])
+            x, lo = x[:, 1:], lo + 1
+        if hi % 2 and hi < n and lo < hi:
+            out.append(x[:, -1])
+            x, hi = x[:, :-1], hi - 1
+        k = hi - lo
+        even = k - k % 2
+        y = x[:, 0:even:2] + x[:, 1:even:2]
+        if k % 2:  # the last node of the level has no right sibling: it moves up as it is
+            y = torch.cat([y, x[:, -1:]], 1)
+        x, lo, hi, n = y, lo // 2, (hi + 1) // 2, (n + 1) // 2
+    return out
+
+
+def evaluate(nodes: dict[Node, torch.Tensor], total: int) -> torch.Tensor:
+    """The root of the tree over ``total`` tiles from nodes that cover every tile once.
+
+    ``nodes`` maps ``(level, index)`` to its ``(c, k)`` value (the union of the
+    runs' :func:`local_nodes`); every other node is computed as the sum of its
+    children, exactly as :func:`local_nodes` would.
+    """
+    counts = level_counts(total)
+
+    def value(level: int, index: int) -> torch.Tensor:
+        node = nodes.get((level, index))
+        if node is not None:
+            return node
+        left = value(level - 1, 2 * index)
+        if 2 * index + 1 < counts[level - 1]:
+            return left + value(level - 1, 2 * index + 1)
+        return left
+
+    return value(len(counts) - 1, 0)
+
+
+def fold(x: torch.Tensor) -> torch.Tensor:
+    """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)`` (zeros for ``n = 0``)."""
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape[0], x.shape[2])
+    return local_nodes(x, 0, x.shape[1])[0]

@@ -1,0 +1,222 @@
+"""The invariance contract: a row's log-prob, entropy, KL and Σπ² are bitwise the same, whatever the layout.
+
+Bitwise (``torch.equal``), never ``allclose``: the batch the row is in, the
+chunk size, the thread count, packed rows against the same rows padded, and
+the tensor-parallel degree (1, 2, 4, 8 gloo ranks, each holding an aligned
+run of 128-column tiles), for values and gradients, fp32 and bf16 logits.
+The tree that makes the vocabulary split invisible is checked on its own for
+any split (hypothesis).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlmath import VocabParallel
+from rlmath.distributed import run_distributed
+from rlmath.engine import tree
+from rlmath.log_probs import (
+    kl_from_logits,
+    log_probs_and_entropy_from_logits,
+    log_probs_from_logits_response_rmpad,
+    sum_pi_squared_from_logits,
+)
+
+N, V = 37, 3072  # 3072 = 8 ranks × 3 tiles of 128
+
+
+def _data(dtype: torch.dtype, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(N, vocab, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (N,), generator=g)
+    labels[5] = -100
+    temperature = torch.rand(N, generator=g, dtype=torch.float32) + 0.5
+    return logits, labels, temperature
+
+
+# ------------------------------------------------------------------ the tree alone
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    total=st.integers(1, 400),
+    cut_seed=st.integers(0, 2**31 - 1),
+    n_cuts=st.integers(0, 9),
+)
+def test_tree_from_any_split_of_the_tiles_equals_the_whole(total, cut_seed, n_cuts):
+    g = torch.Generator().manual_seed(cut_seed)
+    x = torch.randn(3, total, 2, generator=g).exp()
+    whole = tree.fold(x)
+    perm = torch.randperm(max(total - 1, 1), generator=g)[: min(n_cuts, total - 1)] + 1
+    bounds = [0, *sorted(perm.tolist()), total] if total > 1 else [0, total]
+    nodes: dict[tuple[int, int], torch.Tensor] = {}
+    for a, b in itertools.pairwise(bounds):
+        plan = tree.node_plan(a, b - a, total)
+        values = tree.local_nodes(x[:, a:b], a, total)
+        assert len(plan) == len(values)
+        for node, value in zip(plan, values, strict=True):
+            assert node not in nodes  # every tile is handed on once
+            nodes[node] = value
+    assert torch.equal(tree.evaluate(nodes, total), whole)
+
+
+def test_tree_adds_every_tile_once():
+    x = torch.arange(1, 12, dtype=torch.float64).reshape(1, 11, 1)
+    assert tree.fold(x).item() == 66
+    assert tree.tile_sums(torch.ones(2, 300)).tolist() == [[128, 128, 44]] * 2
+
+
+# ------------------------------------------------------------------ one process
+
+
+def _forward(logits, labels, temperature, **kw):
+    lp, ent = log_probs_and_entropy_from_logits(logits, labels, temperature=temperature, **kw)
+    ref = logits.flip(-1)  # a reference distribution that differs in every row
+    kl = kl_from_logits(logits, ref, temperature=temperature, **kw)
+    pi2 = sum_pi_squared_from_logits(logits, temperature=temperature, **kw)
+    return lp, ent, kl, pi2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_the_row_in_a_batch(dtype):
+    logits, labels, temperature = _data(dtype)
+    big = torch.cat([logits] * 28)[:1024]  # 1024 rows
+    big_labels = torch.cat([labels] * 28)[:1024]
+    big_t = torch.cat([temperature] * 28)[:1024]
+    everything = _forward(big, big_labels, big_t)
+    for rows in (slice(3, 4), slice(0, 7)):
+        alone = _forward(logits[rows], labels[rows], temperature[rows])
+        for got, want in zip(alone, everything, strict=True):
+            assert torch.equal(got, want[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_size_and_threads_do_not_change_a_bit(dtype):
+    logits, labels, temperature = _data(dtype)
+    want = _forward(logits, labels, temperature)
+    for chunk in (1, 7, None):
+        got = _forward(logits, labels, temperature, chunk_size=chunk)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), chunk
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            got = _forward(logits, labels, temperature)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packed_rows_equal_the_same_rows_padded():
+    logits, labels, _ = _data(torch.float32)
+    # Two sequences of 10 and 6 response tokens, padded to (2, 12) or packed.
+    lengths = [10, 6]
+    padded_logits = torch.zeros(2, 12, V)
+    padded_labels = torch.full((2, 12), -100)
+    pos, rows = 0, []
+    for i, n in enumerate(lengths):
+        padded_logits[i, :n] = logits[pos : pos + n]
+        padded_labels[i, :n] = labels[pos : pos + n]
+        rows.append((pos, n))
+        pos += n
+    padded = _forward(padded_logits, padded_labels, 1.0)[0]
+    packed = _forward(logits[:pos], labels[:pos], 1.0)[0]
+    for i, (a, n) in enumerate(rows):
+        assert torch.equal(padded[i, :n], packed[a : a + n])
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def _grads(logits, labels, temperature, rank, world, vocab_size):
+    width = logits.shape[-1] // world
+    part = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
+    vp = VocabParallel(group=dist.group.WORLD) if world > 1 else None
+    lp, ent = log_probs_and_entropy_from_logits(
+        part, labels, temperature=temperature, vocab_parallel=vp, vocab_size=vocab_size
+    )
+    g = torch.Generator().manual_seed(3)
+    loss = (torch.randn(lp.shape, generator=g) * torch.nan_to_num(lp)).sum()
+    loss = loss + (torch.randn(ent.shape, generator=g) * ent).sum()
+    (grad,) = torch.autograd.grad(loss, part)
+    pi2 = sum_pi_squared_from_logits(
+        part.detach(), temperature=temperature, vocab_parallel=vp, vocab_size=vocab_size
+    )
+    noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+    ref = (logits.float() + 0.3 * noise).to(logits.dtype)[:, rank * width : (rank + 1) * width]
+    kl = kl_from_logits(
+        part, ref, temperature=temperature, vocab_parallel=vp, vocab_size=vocab_size
+    )
+    (kl_grad,) = torch.autograd.grad((kl * torch.arange(N)).sum(), part)
+    return lp.detach(), ent.detach(), grad, pi2, kl.detach(), kl_grad
+
+
+def _tp_run(rank: int, world: int) -> dict:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab_size in (None, V - 72):
+            logits, labels, temperature = _data(dtype)
+            if vocab_size is not None:
+                labels = torch.where(labels >= vocab_size, labels - 100, labels)
+            out[(dtype, vocab_size)] = _grads(logits, labels, temperature, rank, world, vocab_size)
+    return out
+
+
+def _tp_worker() -> dict:
+    return _tp_run(dist.get_rank(), dist.get_world_size())
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return _tp_run(0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tensor_parallel_degree_does_not_change_a_bit(world, one_process):
+    results = run_distributed(_tp_worker, world)
+    width = V // world
+    for rank, result in enumerate(results):
+        for key, (lp, ent, grad, pi2, kl, kl_grad) in result.items():
+            want_lp, want_ent, want_grad, want_pi2, want_kl, want_kl_grad = one_process[key]
+            assert torch.equal(pi2, want_pi2), (world, rank, key)
+            assert torch.equal(kl, want_kl), (world, rank, key)
+            cols = slice(rank * width, (rank + 1) * width)
+            assert torch.equal(kl_grad, want_kl_grad[:, cols]), (world, rank, key)
+            assert torch.equal(lp.nan_to_num(7.0), want_lp.nan_to_num(7.0)), (world, rank, key)
+            assert torch.equal(ent, want_ent), (world, rank, key)
+            assert torch.equal(grad, want_grad[:, rank * width : (rank + 1) * width]), (
+                world,
+                rank,
+                key,
+            )
+
+
+def test_packed_response_rows_over_shards_equal_one_process():
+    results = run_distributed(_packed_worker, 2)
+    want = _packed_run(0, 1)
+    for got in results:
+        assert torch.equal(got, want)
+
+
+def _packed_run(rank: int, world: int) -> torch.Tensor:
+    logits, labels, _ = _data(torch.float32)
+    width = V // world
+    part = logits[:, rank * width : (rank + 1) * width]
+    # 37 packed tokens: sequences of 20 and 17 tokens (right-padded to 20).
+    ids = labels.clamp_min(0)
+    input_ids = torch.zeros(2, 20, dtype=torch.long)
+    input_ids[0], input_ids[1, :17] = ids[:20], ids[20:]
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    mask[0], mask[1, :17] = 1, 1
+    vp = VocabParallel(group=dist.group.WORLD) if world > 1 else None
+    return log_probs_from_logits_response_rmpad(input_ids, mask, part, 6, vocab_parallel=vp)
+
+
+def _packed_worker() -> torch.Tensor:
+    return _packed_run(dist.get_rank(), dist.get_world_size())
