@@ -41,6 +41,7 @@ __all__ = [
     "check_same_shape",
     "check_temperature",
     "check_tensor",
+    "is_finite",
     "result_dtype",
     "valid_mask",
 ]
@@ -102,6 +103,11 @@ def _scalar_kind(value: object) -> str:
     """
     if isinstance(value, bool):
         return ""
+    # Sizes and numbers that torch.compile traces symbolically (dynamic=True).
+    if isinstance(value, torch.SymInt):
+        return "int"
+    if isinstance(value, torch.SymFloat):
+        return "real"
     if isinstance(value, Integral):
         return "int"
     if isinstance(value, Real):
@@ -125,8 +131,17 @@ def _scalar_value(name: str, value: Any) -> Any:
                 f"{tuple(value.shape)}"
             )
         return value.item()  # a host sync for a tensor on an accelerator
-    item = getattr(value, "item", None)  # numpy scalars and 0-d arrays
-    return item() if callable(item) else value
+    if type(value).__module__ == "numpy":  # numpy scalars and 0-d arrays
+        return value.item()
+    return value  # Python numbers, numbers.Real types, torch.SymInt / torch.SymFloat
+
+
+def is_finite(v: Any) -> bool:
+    """``math.isfinite`` for a Python number, also traceable on a symbolic one.
+
+    NaN fails both comparisons, so this equals ``math.isfinite`` on every float.
+    """
+    return -math.inf < v < math.inf
 
 
 def check_finite_scalar(name: str, value: object) -> float:
@@ -139,7 +154,7 @@ def check_finite_scalar(name: str, value: object) -> float:
     if not _scalar_kind(value):
         raise TypeError(f"{name} must be a real number, got {_describe(value)}")
     v = float(_scalar_value(name, value))
-    if not math.isfinite(v):
+    if not is_finite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
 
@@ -312,6 +327,6 @@ def check_temperature(
     if not _scalar_kind(temperature):
         raise TypeError(f"temperature must be a float or a tensor, got {_describe(temperature)}")
     value = float(_scalar_value("temperature", temperature))
-    if not math.isfinite(value) or value <= 0:
+    if not is_finite(value) or value <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     return None, value

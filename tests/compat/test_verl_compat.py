@@ -66,9 +66,9 @@ def test_vanilla_matches_a_float64_reference(form):
     ref.backward()
     torch.testing.assert_close(lp.grad, lr.grad, rtol=1e-12, atol=1e-12)
     assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
-    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    assert all(type(v) is float for v in metrics.values())  # verl's type
     ppo_kl = (old - logp)[mask].mean()
-    torch.testing.assert_close(metrics["actor/ppo_kl"], ppo_kl, rtol=1e-12, atol=1e-12)
+    assert metrics["actor/ppo_kl"] == pytest.approx(float(ppo_kl), rel=1e-12, abs=1e-12)
 
 
 def test_global_batch_info_scales_like_verl():
@@ -212,7 +212,7 @@ def test_rollout_correction_weights_masks_and_metric_keys(monkeypatch):
     assert not missing, missing  # verl's own completeness test returns instead of asserting
     for option in ("token_k1", "seq_max_k2"):
         assert f"rollout_corr/rollout_rs_{option}_mean" in metrics
-    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values())
+    assert all(type(v) is float for v in metrics.values())  # verl's type
     # IcePop: weights out of [0.8, 1.25] are zeroed, the mask is returned unchanged.
     proto, kept, metrics = cv.compute_rollout_correction_and_rejection_mask(
         old, rollout, mask, "token", "0.8_1.25"
@@ -223,7 +223,7 @@ def test_rollout_correction_weights_masks_and_metric_keys(monkeypatch):
     )
     assert torch.equal(kept, mask) and kept is not mask
     oob = ((~inside) & mask).sum() / mask.sum()
-    torch.testing.assert_close(metrics["rollout_corr/rollout_is_oob_ratio"], oob.float())
+    assert metrics["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(float(oob), rel=1e-6)
 
 
 def test_rollout_correction_batch_normalisation():
@@ -231,7 +231,7 @@ def test_rollout_correction_batch_normalisation():
     w, m = cv.compute_rollout_correction_weights(old - rollout, mask, "token", 3.0, True)
     torch.testing.assert_close(w[mask].mean(), torch.tensor(1.0, dtype=w.dtype))
     raw = torch.where(mask, torch.exp(old - rollout).clamp(max=3.0), 0)
-    torch.testing.assert_close(m["rollout_is_batch_norm_factor"], raw[mask].mean())
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(float(raw[mask].mean()), rel=1e-12)
     w, _ = cv.compute_rollout_correction_weights(old - rollout, mask, "sequence", 50.0, True)
     seqs = mask.any(-1)
     per_seq = (w * mask).sum(-1)[seqs] / mask.sum(-1)[seqs]
@@ -239,8 +239,12 @@ def test_rollout_correction_batch_normalisation():
 
 
 def test_compat_math_never_reads_the_host_and_modifies_no_input(monkeypatch):
+    from rlmath.compat.verl import _state
+
     # verl's DataProto (used when verl is installed) reads the host itself: use the stand-in.
     monkeypatch.setitem(sys.modules, "verl.protocol", None)
+    # Metrics as tensors (install(float_metrics=False)); verl's floats are host reads.
+    monkeypatch.setattr(_state.OPTIONS, "float_metrics", False)
     old, logp, adv, mask = inputs(7, dtype=torch.float32)
     index = torch.tensor([0, 0, 1, 1, 2])
     rewards = torch.where(mask, adv, 0)
@@ -271,7 +275,7 @@ def test_float_metrics_option(monkeypatch):
     from rlmath.compat.verl import _state
 
     old, logp, adv, mask = inputs(8)
-    monkeypatch.setattr(_state.OPTIONS, "float_metrics", True)
+    assert _state.OPTIONS.float_metrics  # verl's types by default
     _, metrics = cv.compute_policy_loss_sapo(old, logp, adv, mask, "token-mean", {})
     assert all(type(v) is float for v in metrics.values())
     _, _, corr = cv.compute_rollout_correction_and_rejection_mask(old, logp, mask, "token")
@@ -289,3 +293,37 @@ def test_install_without_verl_raises_a_clear_importerror(monkeypatch):
         cv.install()
     assert not cv.is_installed()
     assert cv.uninstall() == {}
+
+
+def test_metrics_have_verls_types():
+    """Python floats where verl 0.9.1 returns floats (its policy losses and rollout-correction
+    helpers), tensors where it returns tensors (value loss, clip fraction, entropy loss)."""
+    old, logp, adv, mask = inputs(9)
+    rollout = old + 0.1 * torch.sin(torch.arange(old.numel(), dtype=old.dtype)).view(old.shape)
+    correction = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1",
+                  "rollout_rs_threshold": "0.5_2.0"}  # fmt: skip
+    actor = {"clip_ratio": 0.2, "policy_loss": {"dro_beta": 0.1, "rollout_correction": correction}}
+    for name, fn in cv.core_algos.POLICY_LOSSES.items():
+        loss, metrics = fn(old, logp, adv, mask, "token-mean", actor)
+        assert isinstance(loss, torch.Tensor), name
+        assert all(type(v) is float for v in metrics.values()), (name, metrics)
+        assert metrics or name == "gpg", name  # verl's GPG reports no metric either
+    vf_loss, vf_clipfrac = cv.compute_value_loss(logp, adv, old, mask, 0.2)
+    assert isinstance(vf_loss, torch.Tensor) and isinstance(vf_clipfrac, torch.Tensor)
+    logits = torch.randn(*mask.shape, 7, dtype=torch.float64)
+    assert isinstance(cv.compute_entropy_loss(logits, mask), torch.Tensor)
+    log_ratio = old - rollout
+    results = {
+        "correction_and_rejection": cv.compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, "sequence", "0.5_2.0", True, "token_k1,seq_max_k2", "0.6_1.5,0.1"
+        )[2],
+        "weights": cv.compute_rollout_correction_weights(log_ratio, mask, "token", 2.0, True)[1],
+        "rejection": cv.compute_rollout_rejection_mask(log_ratio, mask, "seq_mean_k3", 0.1)[1],
+        "offpolicy": cv.compute_offpolicy_metrics(old, rollout, mask),
+        "from_logprobs": cv.compute_rollout_corr_metrics_from_logprobs(old, rollout, mask),
+    }
+    for what, metrics in results.items():
+        assert metrics and all(type(v) is float for v in metrics.values()), (what, metrics)
+    assert isinstance(
+        results["offpolicy"]["kl"], float
+    )  # what verl's test_offpolicy_metrics asserts

@@ -44,3 +44,32 @@ def test_the_world_group_resolves_by_its_name(world_of_one, monkeypatch):
     name = groups.group_name(None)
     assert groups.resolve_group(name) is dist.group.WORLD
     assert groups.resolve_group("") is None
+
+
+def test_calls_with_a_group_keep_no_reference_to_it(world_of_one, monkeypatch):
+    """Public functions given a group (statistics, vocabulary shards, forward and backward)
+    leave nothing behind that keeps it alive once destroyed."""
+    import rlmath as R
+    from rlmath import _collectives
+
+    # Treat the one-rank group as a group of several ranks, so that the calls name it,
+    # resolve it and run their collectives over it (gloo, one process).
+    for module in (groups, _collectives):
+        monkeypatch.setattr(module, "is_distributed", lambda group=None: True)
+    pg = dist.new_group([0])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, generator=g)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    logits = torch.randn(3, 4, 7, generator=g, requires_grad=True)
+    labels = torch.randint(0, 7, (3, 4), generator=g)
+    R.masked_mean(x, mask, group=pg)
+    R.masked_whiten(x, mask, group=pg)
+    shard = R.VocabParallel(group=pg)
+    lp, ent = R.log_probs_and_entropy_from_logits(logits, labels, vocab_parallel=shard)
+    (lp.sum() + ent.sum()).backward()
+    del shard, lp, ent
+    alive = weakref.ref(pg)
+    dist.destroy_process_group(pg)
+    del pg
+    gc.collect()
+    assert alive() is None

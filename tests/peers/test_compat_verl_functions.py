@@ -33,6 +33,14 @@ omegaconf = pytest.importorskip("omegaconf")
 import rlmath  # noqa: E402
 import rlmath.compat.verl as cv  # noqa: E402
 
+
+def assert_verl_types(ours, theirs, what=""):
+    """Same keys, and each value of the type verl gives (float, tensor, ...)."""
+    assert set(ours) == set(theirs), (what, set(ours) ^ set(theirs))
+    for key, value in theirs.items():
+        assert type(ours[key]) is type(value), (what, key, type(ours[key]), type(value))
+
+
 TOL = dict(rtol=2e-5, atol=2e-6)
 FORMS = ["dataclass", "dict", "omegaconf"]
 POLICY_FIELDS = (
@@ -188,6 +196,7 @@ def test_value_loss(mode):
     a, b = vpreds.clone().requires_grad_(True), vpreds.clone().requires_grad_(True)
     ours = cv.compute_value_loss(a, returns, values, mask, 0.3, mode, *kw.values())
     theirs = verl_core.compute_value_loss(b, returns, values, mask, 0.3, mode, **kw)
+    assert [type(o) for o in ours] == [type(t) for t in theirs]
     for o, t in zip(ours, theirs):
         assert_close(o, t, **TOL)
     ours[0].backward()
@@ -199,16 +208,16 @@ def test_entropy_loss_and_deprecated_policy_loss():
     gen = torch.Generator().manual_seed(6)
     logits = randn(3, 5, 17, gen=gen, scale=2)
     mask = random_mask(3, 5, gen).float()
-    assert_close(
-        cv.compute_entropy_loss(logits, mask, "seq-mean-token-mean"),
-        verl_core.compute_entropy_loss(logits, mask, "seq-mean-token-mean"),
-        **TOL,
-    )
+    ours = cv.compute_entropy_loss(logits, mask, "seq-mean-token-mean")
+    theirs = verl_core.compute_entropy_loss(logits, mask, "seq-mean-token-mean")
+    assert type(ours) is type(theirs)
+    assert_close(ours, theirs, **TOL)
     old, logp, adv, mask, _ = make_inputs(6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = verl_core.compute_policy_loss(old, logp, adv, mask.float(), 0.2, 0.1, 0.3, 2.0)
     ours = cv.compute_policy_loss(old, logp, adv, mask, 0.2, 0.1, 0.3, 2.0)
+    assert [type(o) for o in ours] == [type(t) for t in theirs]
     for o, t in zip(ours, theirs):
         assert_close(o, t, **TOL)
 
@@ -269,19 +278,18 @@ def test_policy_losses_match_verl(name, form, global_info):
             )
             assert_close(lo, lt, **TOL, msg=f"{name} {mode} loss")
             assert_close(go, gt, **TOL, msg=f"{name} {mode} grad")
-            assert set(mo) == set(mt), (sorted(mo), sorted(mt))
+            assert_verl_types(mo, mt, name)
             for key in set(mt) - SKIP_METRICS.get(name, set()):
-                assert isinstance(mo[key], torch.Tensor) and mo[key].dim() == 0, key
                 assert_close(mo[key], mt[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
-def test_policy_loss_metrics_are_tensors_documented_difference():
+def test_policy_loss_metrics_are_floats_as_in_verl():
     old, logp, adv, mask, _ = make_inputs(8)
     cfg = actor_config("dataclass")
     _, mo = cv.compute_policy_loss_vanilla(old, logp, adv, mask, "token-mean", cfg)
     _, mt = verl_core.compute_policy_loss_vanilla(old, logp, adv, mask.float(), "token-mean", cfg)
-    assert all(isinstance(v, float) for v in mt.values())
-    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in mo.values())
+    assert mt and all(type(v) is float for v in mt.values())
+    assert_verl_types(mo, mt)
 
 
 def test_sapo_and_geo_mean_honour_loss_agg_mode_documented_difference():
@@ -370,7 +378,7 @@ def test_bypass_mode(loss_type, form):
     )
     assert_close(lo, lt, **TOL)
     assert_close(go, gt, **TOL)
-    assert set(mo) == set(mt)
+    assert_verl_types(mo, mt, "bypass_mode")
     for key in mt:
         assert_close(mo[key], mt[key], rtol=1e-4, atol=1e-5, msg=key)
 
@@ -716,9 +724,8 @@ def compare_correction(kw, seed=23):
         assert_close(po.batch["rollout_is_weights"], pt.batch["rollout_is_weights"], **TOL)
     assert mo_mask.dtype == mt_mask.dtype
     assert torch.equal(mo_mask, mt_mask)
-    assert set(mo) == set(mt), set(mo) ^ set(mt)
+    assert_verl_types(mo, mt, "compute_rollout_correction_and_rejection_mask")
     for key in mt:
-        assert isinstance(mo[key], torch.Tensor), key
         assert_close(mo[key], mt[key], rtol=1e-4, atol=2e-5, msg=key)
     return mo_mask, mask
 
@@ -758,7 +765,7 @@ def test_offpolicy_and_metric_helpers_match_verl():
     for r in (rollout, None):
         mo = cv.compute_offpolicy_metrics(old, r, mask)
         mt = verl_rc.compute_offpolicy_metrics(old, r, mask)
-        assert set(mo) == set(mt)
+        assert_verl_types(mo, mt, "compute_offpolicy_metrics")
         for k in mt:
             assert_close(mo[k], mt[k], rtol=1e-5, atol=1e-6, msg=k)
     lr = old - rollout
@@ -767,7 +774,7 @@ def test_offpolicy_and_metric_helpers_match_verl():
             wo, mo = cv.compute_rollout_correction_weights(lr, mask, level, th)
             wt, mt = verl_rc.compute_rollout_correction_weights(lr, mask, level, th)
             assert_close(wo, wt, **TOL)
-            assert set(mo) == set(mt)
+            assert_verl_types(mo, mt, "compute_rollout_correction_weights")
             for k in mt:
                 assert_close(mo[k], mt[k], rtol=1e-4, atol=2e-5, msg=k)
     mo_mask, mo = cv.compute_rollout_rejection_mask(lr, mask, "seq_sum_k2,token_k1", "0.2,0.6_1.5")
@@ -775,15 +782,29 @@ def test_offpolicy_and_metric_helpers_match_verl():
         lr, mask, "seq_sum_k2,token_k1", "0.2,0.6_1.5"
     )
     assert torch.equal(mo_mask, mt_mask)
-    assert set(mo) == set(mt)
+    assert_verl_types(mo, mt, "compute_rollout_rejection_mask")
     o = cv.compute_rollout_corr_metrics_from_logprobs(old, rollout, mask)
     t = verl_rc.compute_rollout_corr_metrics_from_logprobs(old, rollout, mask)
-    assert set(o) == set(t)
+    assert_verl_types(o, t, "compute_rollout_corr_metrics_from_logprobs")
     # The metric helpers called directly, as verl's tests do.
     raw = torch.tensor([[1.0, 6.0], [0.9, 1.1]])
     args = (raw.clamp(max=2.0), raw, torch.log(raw), torch.ones_like(raw), "token", 2.0)
     mo, mt = cv.compute_is_metrics(*args), verl_rc.compute_is_metrics(*args)
-    assert set(mo) == set(mt)
+    assert_verl_types(mo, mt, "compute_is_metrics")
+    stat, valid = torch.log(raw).abs(), torch.ones(2, dtype=torch.bool)
+    for level, per_seq in (("token", None), ("sequence", stat.sum(-1))):
+        kw = {
+            "level": level,
+            "per_sequence_values": per_seq,
+            "rollout_rs_threshold": 0.5,
+            "rollout_rs_threshold_lower": 0.1,
+            "apply_lower_threshold": True,
+        }
+        mo = cv.compute_rs_metrics("token_k1", stat, torch.ones_like(raw), valid, **kw)
+        mt = verl_rc.compute_rs_metrics("token_k1", stat, torch.ones_like(raw), valid, **kw)
+        assert_verl_types(mo, mt, f"compute_rs_metrics {level}")
+        for k in mt:
+            assert_close(mo[k], mt[k], rtol=1e-5, atol=1e-6, msg=k)
     for k in mt:
         assert_close(mo[k], mt[k], rtol=1e-5, atol=1e-6, msg=k)
 
@@ -815,7 +836,8 @@ def test_add_to_batch_with_every_config_form(form):
     )
     assert torch.equal(bo.batch["response_mask"], bt.batch["response_mask"])
     assert_close(bo.batch["rollout_is_weights"], bt.batch["rollout_is_weights"], **TOL)
-    assert set(mo) == set(mt) and all(isinstance(v, float) for v in mo.values())
+    assert_verl_types(mo, mt, "compute_rollout_correction_and_add_to_batch")
+    assert all(isinstance(v, float) for v in mo.values())
     for k in mt:
         assert mo[k] == pytest.approx(mt[k], rel=1e-4, abs=2e-5), k
 
@@ -871,11 +893,11 @@ def test_empty_mask_and_huge_log_ratios_documented_difference():
     _, kept, metrics = cv.compute_rollout_correction_and_rejection_mask(
         old, rollout, empty, "token"
     )
-    assert not kept.any() and all(torch.isfinite(v) for v in metrics.values())
+    assert not kept.any() and all(math.isfinite(v) for v in metrics.values())
     far = rollout.clone()
     far[0, 0] = old[0, 0] - 100.0  # log-ratio +100 on one valid token
     assert math.isinf(verl_rc.compute_offpolicy_metrics(old, far, mask)["k3_kl"])
-    assert torch.isfinite(cv.compute_offpolicy_metrics(old, far, mask)["k3_kl"])
+    assert math.isfinite(cv.compute_offpolicy_metrics(old, far, mask)["k3_kl"])
 
 
 # --------------------------------------------------------------------------- install / uninstall
@@ -937,11 +959,11 @@ def test_install_and_uninstall_restore_exactly():
     assert set(after["attrs"]) == set(before["attrs"])
 
 
-def test_install_with_float_metrics_gives_verls_types():
+def test_install_gives_verls_metric_types_and_tensors_on_request():
     old, logp, adv, mask, _ = make_inputs(29)
     rollout = old + 0.1
     try:
-        cv.install(float_metrics=True)
+        cv.install()
         _, metrics = verl_core.get_policy_loss_fn("vanilla")(
             old, logp, adv, mask, "token-mean", actor_config("dict")
         )
@@ -954,8 +976,18 @@ def test_install_with_float_metrics_gives_verls_types():
         assert all(type(v) is float for v in corr.values())
     finally:
         cv.uninstall()
+    try:
+        cv.install(float_metrics=False)
+        _, metrics = verl_core.get_policy_loss_fn("vanilla")(
+            old, logp, adv, mask, "token-mean", actor_config("dict")
+        )
+        assert metrics and all(isinstance(v, torch.Tensor) for v in metrics.values())
+        off = verl_rc.compute_offpolicy_metrics(old, rollout, mask)
+        assert all(isinstance(v, torch.Tensor) for v in off.values())
+    finally:
+        cv.uninstall()
     _, metrics = cv.compute_policy_loss_vanilla(old, logp, adv, mask, "token-mean", {})
-    assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+    assert metrics and all(type(v) is float for v in metrics.values())
 
 
 def test_partial_install():

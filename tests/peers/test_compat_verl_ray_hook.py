@@ -84,5 +84,5 @@ def test_ray_workers_compute_with_rlmath_through_the_setup_hook(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     assert line == (
-        "RESULT (True, True, True, 'rlmath.compat.verl.rollout_corr_helper', 'Tensor')"
+        "RESULT (True, True, True, 'rlmath.compat.verl.rollout_corr_helper', 'float')"
     ), output[-4000:]

@@ -8,7 +8,6 @@ every recurrence over time.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -149,18 +148,27 @@ class OutcomeInputs:
         """``(B,)`` group labels in ``[0, B)`` (None when no index was given)."""
         self.dtype = result_dtype(rewards)
         self._given = rewards
+        self._rewards: torch.Tensor | None = None
+        self._scores: torch.Tensor | None = None
 
-    @functools.cached_property
+    # Computed on first read and kept (plain attributes rather than
+    # ``functools.cached_property``, whose lock ``torch.compile`` cannot trace).
+    @property
     def rewards(self) -> torch.Tensor:
         """``(B, T)`` token rewards in the result dtype, 0 at masked positions (a new tensor)."""
-        return select_valid(self.valid, self._given.to(self.dtype))
+        if self._rewards is None:
+            self._rewards = select_valid(self.valid, self._given.to(self.dtype))
+        return self._rewards
 
-    @functools.cached_property
+    @property
     def scores(self) -> torch.Tensor:
         """``(B,)`` sum of the valid token rewards, in the result dtype."""
-        if "rewards" in self.__dict__:
-            return self.rewards.sum(-1)
-        return valid_row_sums(self.valid, self._given, self.dtype)
+        if self._scores is None:
+            if self._rewards is not None:
+                self._scores = self._rewards.sum(-1)
+            else:
+                self._scores = valid_row_sums(self.valid, self._given, self.dtype)
+        return self._scores
 
     def to_tokens(self, per_sample: torch.Tensor) -> torch.Tensor:
         """``(B,)`` → ``(B, T)``: the sample's value on its valid tokens, 0 elsewhere.

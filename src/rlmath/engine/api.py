@@ -28,6 +28,7 @@ from rlmath._validation import (
     check_same_shape,
     check_temperature,
     check_tensor,
+    is_finite,
 )
 from rlmath.engine import dtensor as dt
 from rlmath.engine import ops
@@ -582,10 +583,10 @@ def _head_dtype(
 
 def positive_float(name: str, value: object) -> float:
     """A finite float > 0 (Python or numpy)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     v = float(value)
-    if not math.isfinite(v) or v <= 0:
+    if not is_finite(v) or v <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {value}")
     return v
 

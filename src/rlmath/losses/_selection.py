@@ -27,7 +27,10 @@ def random_subset(
     candidate: torch.Tensor, k: torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
     """A uniformly random subset of ``min(k, #candidates)`` of the ``True`` positions."""
-    keys = torch.rand(candidate.shape, generator=generator, device=candidate.device)
+    if generator is None:  # no ``generator=None``: that overload of rand needs concrete sizes
+        keys = torch.rand(candidate.shape, device=candidate.device)
+    else:
+        keys = torch.rand(candidate.shape, generator=generator, device=candidate.device)
     keys = torch.where(candidate, keys, -1.0).reshape(-1)
     ranks = _ranks(torch.argsort(keys, descending=True))
     return candidate & (ranks.reshape(candidate.shape) < k)

@@ -48,7 +48,7 @@ A loss checks them once (:meth:`Aggregation.of`) and hands the bundle to
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
@@ -86,6 +86,18 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 )
 
 Count = torch.Tensor | int | float | None
+
+
+#: The fields of :class:`Aggregation`, in order (a tuple rather than ``dataclasses.fields``,
+#: which ``torch.compile`` cannot trace on a class).
+_FIELDS = (
+    "global_num_tokens",
+    "global_num_seqs",
+    "dp_size",
+    "norm_length",
+    "prompt_num_tokens",
+    "global_num_prompts",
+)
 
 
 class AggregationKwargs(TypedDict, total=False):
@@ -169,7 +181,7 @@ class Aggregation(Mapping[str, Any]):
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Aggregation:
         """A checked :class:`Aggregation` from keyword arguments (unknown names raise)."""
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        unknown = sorted(set(kwargs) - set(_FIELDS))
         if unknown:
             raise TypeError(
                 f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the aggregation "
@@ -207,15 +219,7 @@ class Aggregation(Mapping[str, Any]):
         return len(self._keys())
 
     def _keys(self) -> tuple[str, ...]:
-        names = (
-            "global_num_tokens",
-            "global_num_seqs",
-            "dp_size",
-            "norm_length",
-            "prompt_num_tokens",
-            "global_num_prompts",
-        )
-        return tuple(k for k in names if k == "dp_size" or getattr(self, k) is not None)
+        return tuple(k for k in _FIELDS if k == "dp_size" or getattr(self, k) is not None)
 
 
 def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:

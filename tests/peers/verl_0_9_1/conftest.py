@@ -22,8 +22,9 @@ import os
 
 import pytest
 
-#: RLMATH_COMPAT_FLOAT_METRICS=1 runs the suite under install(float_metrics=True).
-FLOAT_METRICS = os.environ.get("RLMATH_COMPAT_FLOAT_METRICS", "0") == "1"
+#: RLMATH_COMPAT_FLOAT_METRICS=0 runs the suite under install(float_metrics=False) (tensor
+#: metrics); the default install() gives verl's float metrics.
+FLOAT_METRICS = os.environ.get("RLMATH_COMPAT_FLOAT_METRICS", "1") == "1"
 
 if importlib.util.find_spec("verl") is None:  # pragma: no cover - only without verl
     collect_ignore_glob = ["*.py"]
@@ -38,8 +39,8 @@ if not FLOAT_METRICS:
     EXPECTED_FAILURES[
         "trainer/ppo/test_rollout_corr_integration.py::TestRolloutISIntegration::test_offpolicy_metrics"
     ] = (
-        "asserts isinstance(metrics['kl'], float): rlmath.compat.verl returns metrics as detached "
-        "0-d tensors (no host sync per call) unless installed with float_metrics=True"
+        "asserts isinstance(metrics['kl'], float): under install(float_metrics=False) "
+        "rlmath.compat.verl returns metrics as detached 0-d tensors (no host sync per call)"
     )
 
 #: test id (or file) -> why it is not run here.

@@ -15,7 +15,9 @@ Every function has the signature of verl's function of the same name in
 ``verl.trainer.ppo.core_algos`` (:mod:`.core_algos`) or
 ``verl.trainer.ppo.rollout_corr_helper`` (:mod:`.rollout_corr_helper`),
 verl's return structure and metric keys; ``config`` is a verl dataclass, a
-dict or an OmegaConf ``DictConfig``. Metric values are 0-d tensors. The
+dict or an OmegaConf ``DictConfig``. Metric values have verl's types (Python
+floats where verl returns floats: read back together, a host sync, where verl
+syncs per value; rlmath's own functions return 0-d tensors and never read values back). The
 numbers are rlmath's: ``docs/migration.md`` lists where they differ from
 verl's and why. verl is never imported by this package until
 :func:`install` is called.

@@ -82,7 +82,7 @@ def install(
     torch_functional: bool = True,
     core_algos: bool = True,
     rollout_corr_helper: bool = True,
-    float_metrics: bool = False,
+    float_metrics: bool = True,
 ) -> dict[str, Any]:
     """Make verl compute with rlmath: replace verl's math functions by rlmath.compat.verl's.
 
@@ -103,10 +103,12 @@ def install(
     ``worker_process_setup_hook="rlmath.compat.verl.install"``
     (``docs/migration.md``).
 
-    ``float_metrics=True`` makes every metric value a Python float, as verl's
-    are (one host read per value, as in verl) instead of a detached 0-d
-    tensor: for code that hands the raw values to numpy or to a logger that
-    keeps only numbers.
+    Metric values have verl's types: Python floats where verl returns floats
+    (read back together, a host sync, where verl syncs per value; the
+    compat layer is the only part of rlmath that reads values back). ``float_metrics=False`` keeps them detached
+    0-d tensors instead (no host sync per call; verl's ``Metric`` accepts
+    them, but code that expects floats, such as verl's
+    ``test_offpolicy_metrics``, does not).
 
     Idempotent: calling it again with the same selection changes nothing.
     Returns ``{qualified name: verl's original}`` for everything replaced
@@ -186,5 +188,5 @@ def uninstall() -> dict[str, Any]:
             setattr(patch.target, patch.key, patch.original)
     _patches.clear()
     _selection = None
-    OPTIONS.float_metrics = False
+    OPTIONS.float_metrics = True
     return restored

@@ -11,18 +11,30 @@ __all__ = ["OPTIONS", "finish_metrics", "world_group"]
 
 
 class _Options:
-    #: Return metric values as Python floats (verl's type; one host read per value)
-    #: instead of detached 0-d tensors.
-    float_metrics: bool = False
+    #: Return metric values as Python floats, verl's type (a host sync, as verl
+    #: does); ``install(float_metrics=False)`` keeps them detached 0-d tensors.
+    float_metrics: bool = True
 
 
 OPTIONS = _Options()
 
 
 def finish_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Detached 0-d tensors, or Python floats after ``install(float_metrics=True)``."""
+    """Python floats, verl's type, or detached 0-d tensors after ``install(float_metrics=False)``.
+
+    The floats of one dict are read back in one transfer (a host sync, where
+    verl syncs once per value); each equals ``float(value)``.
+    """
     if OPTIONS.float_metrics:
-        return {k: float(v) for k, v in metrics.items()}
+        tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+        read: dict[str, float] = {}
+        if tensors:
+            device = next(iter(tensors.values())).device
+            stacked = torch.stack(
+                [v.detach().reshape(()).to(device, torch.float64) for v in tensors.values()]
+            )
+            read = dict(zip(tensors, stacked.tolist(), strict=True))
+        return {k: read[k] if k in read else float(v) for k, v in metrics.items()}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
 

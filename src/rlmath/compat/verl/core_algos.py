@@ -9,9 +9,10 @@ keys (``"actor/pg_clipfrac"``, ...) for the policy losses,
 not have takes the default of verl's dataclass, and ``config=None`` means
 all defaults (verl asserts a config). The numbers are rlmath's:
 
-* metric values are detached 0-d tensors (no host sync per micro-batch;
-  verl's ``Metric`` accepts them), or verl's Python floats after
-  ``install(float_metrics=True)``;
+* metric values have verl's types: the policy losses' metrics are Python
+  floats, as verl's (read back together, a host sync, where verl syncs
+  per value: the compat layer mirrors verl's behaviour, rlmath's own losses return detached 0-d tensors
+  and never sync); ``install(float_metrics=False)`` keeps them tensors;
 * masked positions never reach a value or a gradient, and advantages and
   returns are exactly 0 there;
 * outcome estimators score a response by its valid token rewards, and a

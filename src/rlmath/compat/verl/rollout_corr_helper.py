@@ -16,11 +16,14 @@ return structures (the weights in a ``DataProto`` under
 * ``rollout_rs``: every verl option (``token_k1/k2/k3``, ``seq_sum_*``,
   ``seq_mean_*``, ``seq_max_k2/k3``), chained with commas
   (``"token_k1,seq_max_k3"``), one threshold for all or one per option.
-* Metrics are detached 0-d tensors (verl: floats; ``install(float_metrics=True)``
-  gives floats), computed with no host synchronisation; an empty mask gives 0 metrics instead of verl's
-  ``ValueError``. ``compute_rollout_correction_and_add_to_batch`` (the
-  trainer's once-per-step entry point) converts them to floats for verl's
-  loggers, which drop anything that is not a number.
+* Metrics are Python floats, verl's type: computed on the device, then read
+  back together (a host sync; verl syncs per value; the compat layer
+  mirrors verl's behaviour, rlmath's own functions never read values back).
+  ``install(float_metrics=False)`` keeps them detached 0-d tensors, except in
+  ``compute_rollout_correction_and_add_to_batch`` (the trainer's
+  once-per-step entry point), whose metrics are always floats for verl's
+  loggers, which drop anything that is not a number. An empty mask gives 0
+  metrics instead of verl's ``ValueError``.
 * Exponentials of log-ratios are clamped at ±20 everywhere (verl leaves
   ``k3_kl`` unclamped, so it overflows for log-ratios beyond ≈ 88).
 
