@@ -61,3 +61,19 @@ def test_process_start_is_in_the_past():
     import time
 
     assert 0.0 <= time.time() - cli._process_start() < 24 * 3600
+
+
+def test_console_script_without_numpy_prints_no_numpy_warning():
+    """A plain `pip install rlmath` has no numpy: torch's warning about it is not shown."""
+    code = (
+        "import sys\n"
+        "sys.modules['numpy'] = None  # as if numpy were not installed\n"
+        "from _rlmath_cli import main\n"
+        "sys.exit(main(['demo', '--help']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: rlmath demo" in proc.stdout
+    assert "NumPy" not in proc.stderr, proc.stderr

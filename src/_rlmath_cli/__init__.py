@@ -15,6 +15,7 @@ _STARTED = time.time()
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -40,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--version"]:
         print(f"rlmath {version()}")
         return 0
+    # torch warns "Failed to initialize NumPy" when it is imported without
+    # numpy installed (a plain `pip install rlmath`); rlmath does not need
+    # numpy, so the warning would only alarm the user.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     from rlmath.cli import main as cli_main
 
     return cli_main(args, started=_STARTED)

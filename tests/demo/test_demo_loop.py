@@ -38,6 +38,7 @@ def tiny(algo: str, out, **kw) -> DemoConfig:
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_loop_runs_and_writes_outputs(algo, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # curves.png
     result = run_demo(tiny(algo, tmp_path))
     assert not result.interrupted
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -72,6 +73,7 @@ def test_same_seed_same_run(algo, tmp_path):
 
 
 def test_ctrl_c_keeps_finished_steps(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")  # curves.png
     real_step = Trainer.step
 
     def step(self, n):
@@ -88,6 +90,7 @@ def test_ctrl_c_keeps_finished_steps(tmp_path, monkeypatch):
 
 
 def test_python_m_rlmath_demo(tmp_path):
+    pytest.importorskip("matplotlib")  # curves.png
     proc = subprocess.run(
         [
             sys.executable, "-m", "rlmath", "demo", "--algo", "grpo", "--steps", "2",
@@ -116,6 +119,7 @@ def test_runs_without_the_demo_extras(tmp_path, monkeypatch, capsys):
 
 
 def test_progress_bar_shows_live_metrics(tmp_path, capsys):
+    pytest.importorskip("tqdm")  # the bar; without it plain lines (test above)
     run_demo(tiny("ppo", tmp_path, progress=True))
     err = capsys.readouterr().err
     assert "PPO" in err and "reward=" in err and "kl=" in err and "entropy=" in err
