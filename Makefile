@@ -122,8 +122,11 @@ $(DOCS_STAMP): docs/requirements.txt
 	touch $(DOCS_STAMP)
 
 # The HTML site (guides + API reference from the docstrings) into site/; any
-# warning fails the build (mkdocs.yml: strict).
+# warning fails the build (mkdocs.yml: strict), and so does a Returns section
+# that the site's docstring parser would split into several rows
+# (docs/_ext/check_returns.py).
 docs: $(DOCS_STAMP)
+	$(DOCS_PY) docs/_ext/check_returns.py
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
 
 # The source distribution into dist/, then a check that it carries every tracked

@@ -243,3 +243,52 @@ def test_the_stated_torch_minimum_is_the_declared_one():
         # torch >= 2.7 is named for FSDP2 on CPU only, never as the package's minimum.
         minima = {v for v in stated if v != "2.7"}
         assert minima <= {declared.group(1)}, (page.name, stated)
+
+
+def _check_returns():
+    pytest.importorskip(
+        "griffe", reason="griffe is in the docs environment (docs/requirements.txt)"
+    )
+    pytest.importorskip("yaml")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "check_returns", ROOT / "docs" / "_ext" / "check_returns.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_returns_sections_are_one_item_each():
+    """The site's parser (mkdocs.yml's options) reads each Returns section as one item."""
+    assert _check_returns().garbled_returns() == []
+
+
+def test_the_returns_check_finds_a_garbled_section(tmp_path):
+    package = tmp_path / "garbled_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "def f(x: int) -> tuple[int, int]:\n"
+        '    """Two numbers.\n\n'
+        "    Returns:\n"
+        "        (Sum, Product): the sum of x and\n"
+        "        x (x * x) and more.\n"
+        '    """\n'
+        "    return x + x, x * x\n",
+        encoding="utf-8",
+    )
+    check = _check_returns()
+    found = check.garbled_returns("garbled_pkg", tmp_path)
+    # One item under the site's options; several when each line is made an item.
+    assert found == []
+    options = check.handler_options()
+    options["docstring_options"] = {"returns_multiple_items": True}
+    original = check.handler_options
+    check.handler_options = lambda: options
+    try:
+        found = check.garbled_returns("garbled_pkg", tmp_path)
+    finally:
+        check.handler_options = original
+    assert found and found[0].startswith("garbled_pkg.f: ")
