@@ -27,6 +27,7 @@ def test_the_package_version_is_the_version_file():
     assert _rlmath_cli.version() == rlmath.__version__
 
 
+@pytest.mark.integration
 def test_console_script_version_does_not_import_torch():
     """The console script's entry point answers --version without importing rlmath or torch."""
     code = (
@@ -63,6 +64,7 @@ def test_process_start_is_in_the_past():
     assert 0.0 <= time.time() - cli._process_start() < 24 * 3600
 
 
+@pytest.mark.integration
 def test_console_script_without_numpy_prints_no_numpy_warning():
     """A plain `pip install rlmath` has no numpy: torch's warning about it is not shown."""
     code = (

@@ -272,7 +272,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="where to run; cuda timings synchronize before reading the clock (default: %(default)s)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="small shapes: all areas in well under a minute"
+        "--quick",
+        action="store_true",
+        help="small shapes (their tables: docs/benchmarks.md, 'The quick shapes')",
     )
     p.add_argument(
         "--busy-cores",

@@ -85,6 +85,7 @@ def test_build_model_hf_tiny_without_transformers_raises(monkeypatch):
         build_model("hf-tiny", ModelConfig(vocab_size=14))
 
 
+@pytest.mark.integration
 def test_help_lists_the_documented_flags():
     text = build_parser().parse_known_args(["demo"])[0]
     assert text.command == "demo"

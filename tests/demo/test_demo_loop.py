@@ -89,6 +89,7 @@ def test_ctrl_c_keeps_finished_steps(tmp_path, monkeypatch):
     assert (tmp_path / "curves.png").exists()
 
 
+@pytest.mark.integration
 def test_python_m_rlmath_demo(tmp_path):
     pytest.importorskip("matplotlib")  # curves.png
     proc = subprocess.run(
