@@ -19,7 +19,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_PY := $(DOCS_VENV)/bin/python
 DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
 
-.PHONY: demo test test-triton test-gpu-compile lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
+.PHONY: demo test test-fast test-triton test-gpu-compile lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,15 @@ demo: $(STAMP)
 	$(VENV)/bin/rlmath demo $(ARGS)
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
+# `make test` runs every tier (what CI runs); `make test-fast` leaves out the
+# tests marked `integration` (several processes, subprocesses, torch.compile),
+# for quick local iteration (docs/development.md).
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # The Triton backend's kernels through Triton's interpreter, on CPU tensors, in
@@ -122,8 +129,11 @@ $(DOCS_STAMP): docs/requirements.txt
 	touch $(DOCS_STAMP)
 
 # The HTML site (guides + API reference from the docstrings) into site/; any
-# warning fails the build (mkdocs.yml: strict).
+# warning fails the build (mkdocs.yml: strict), and so does a Returns section
+# that the site's docstring parser would split into several rows
+# (docs/_ext/check_returns.py).
 docs: $(DOCS_STAMP)
+	$(DOCS_PY) docs/_ext/check_returns.py
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
 
 # The source distribution into dist/, then a check that it carries every tracked

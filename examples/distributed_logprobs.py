@@ -25,6 +25,15 @@ TOKENS = 6
 TEMPERATURE = 0.8
 
 
+def shard_bounds(world: int) -> list[int]:
+    """Rank ``r`` holds columns ``[bounds[r], bounds[r + 1])``.
+
+    For 2 ranks: ``[0, 25128, 50257]``, i.e. 25128 columns on rank 0 and 25129
+    on rank 1 (``round`` takes 25128.5 to the even 25128).
+    """
+    return [round(r * VOCAB / world) for r in range(world + 1)]
+
+
 def demo(verbose: bool = True) -> dict[str, float]:
     """Compare the sharded and the single-process computation; return the largest differences."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,8 +48,8 @@ def demo(verbose: bool = True) -> dict[str, float]:
     labels = torch.randint(0, VOCAB, (TOKENS,), generator=g).to(device)
     labels[-1] = -100  # an ignored position (padding): log-prob and entropy 0, no gradient
 
-    # This rank's columns: uneven shards, e.g. 25129 + 25128 columns for 2 ranks.
-    bounds = [round(r * VOCAB / world) for r in range(world + 1)]
+    # This rank's columns: uneven shards (see shard_bounds).
+    bounds = shard_bounds(world)
     start, end = bounds[rank], bounds[rank + 1]
     shard = logits[:, start:end].clone().requires_grad_()
 

@@ -1,6 +1,8 @@
 """rlmath quickstart: one small, readable call of each foundation function group.
 
-Run with ``make demo`` (or ``python examples/quickstart.py`` inside the venv).
+Run from the repository root: ``.venv/bin/python examples/quickstart.py`` (after
+``make test`` or ``make demo`` has created ``.venv``), or ``python examples/quickstart.py``
+in any environment where rlmath is installed. It takes no arguments.
 Every number printed is computed here, on a toy batch of 3 responses.
 """
 

@@ -361,6 +361,7 @@ def test_a_busy_process_ends_by_itself_after_its_time():
         assert load.processes[0].wait(timeout=60) == 0
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_a_busy_process_ends_when_its_parent_is_killed():
     code = (

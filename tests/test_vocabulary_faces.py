@@ -236,6 +236,7 @@ def two_ranks():
     return run_distributed(_tp_worker, 2, sorted(FACES))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(FACES))
 def test_two_ranks_equal_one_process(name, two_ranks):
     values, grads = _run([name], 0, 1)[name]

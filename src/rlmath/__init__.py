@@ -20,6 +20,7 @@ from rlmath import (
     schedules,
     tensor_utils,
 )
+from rlmath._version import __version__ as __version__
 from rlmath.advantages import *
 from rlmath.entropy_controllers import *
 from rlmath.fused_head import *
@@ -33,8 +34,6 @@ from rlmath.reward_shaping import *
 from rlmath.rewards import *
 from rlmath.schedules import *
 from rlmath.tensor_utils import *
-
-__version__ = "0.1.0"
 
 # Written as += so that type checkers follow the re-exports.
 __all__: list[str] = []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -13,16 +15,26 @@ __all__ = ["build_parser", "main", "version"]
 
 
 def version() -> str:
-    """The installed distribution's version, else ``rlmath.__version__`` (a source tree)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    """rlmath's version (``rlmath/_version.py``, the same as ``rlmath.__version__``)."""
+    from rlmath._version import __version__
 
+    return __version__
+
+
+def _process_start() -> float:
+    """The ``time.time()`` at which this process started (Linux), else the import of this module."""
     try:
-        return dist_version("rlmath")
-    except PackageNotFoundError:
-        from rlmath import __version__
+        with open("/proc/self/stat", encoding="ascii") as f:
+            # Field 22, counted after the command name (which may hold spaces).
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
 
-        return __version__
+
+_IMPORTED = time.time()
 
 
 def _number(
@@ -138,12 +150,13 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         help="output folder, created if missing; it must not hold a previous run unless "
-        "--overwrite is given (default: runs/demo-<algo>)",
+        "--overwrite is given (default: a new folder runs/demo-<algo>-<date>-<time> for "
+        "each run)",
     )
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the metrics.jsonl and curves.png of a previous run in --out",
+        help="with --out: replace the metrics.jsonl and curves.png of a previous run there",
     )
     p.add_argument(
         "--model",
@@ -259,7 +272,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="where to run; cuda timings synchronize before reading the clock (default: %(default)s)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="small shapes: all areas in well under a minute"
+        "--quick",
+        action="store_true",
+        help="small shapes (their tables: docs/benchmarks.md, 'The quick shapes')",
     )
     p.add_argument(
         "--busy-cores",
@@ -419,7 +434,7 @@ def _check_processes(
         )
 
 
-def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
+def _run_demo(args: argparse.Namespace, cfg, started: float | None = None):  # type: ignore[no-untyped-def]
     """Run the demo in this process, in each torchrun process, or in ``--nproc`` new ones."""
     import torch
 
@@ -434,7 +449,7 @@ def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
 
         init_from_env(backend)
         try:
-            result = run_demo(cfg)
+            result = run_demo(cfg, started=started)
             dist.barrier()  # every rank leaves together
         except BaseException:
             dist.destroy_process_group()
@@ -452,11 +467,14 @@ def _run_demo(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
     if args.nproc > 1:
         from rlmath.distributed import run_distributed
 
-        prepare_output(cfg)  # before starting anything
+        # The folder is made before starting anything; the workers write to it.
+        cfg = dataclasses.replace(cfg, out=prepare_output(cfg))
         # No time limit: a run takes as long as it takes; a rank that fails
         # ends the others.
-        return run_distributed(run_demo_worker, args.nproc, cfg, backend=backend, timeout=None)[0]
-    return run_demo(cfg)
+        return run_distributed(
+            run_demo_worker, args.nproc, cfg, started, backend=backend, timeout=None
+        )[0]
+    return run_demo(cfg, started=started)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -499,8 +517,14 @@ def _demo_status(result) -> int:  # type: ignore[no-untyped-def]
     return 130 if result.interrupted else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``rlmath`` console script; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
+    """The ``rlmath`` command line; returns the exit status.
+
+    ``started``: the ``time.time()`` at which the command started (the demo's
+    wall time runs from it); default: the start of this process.
+    """
+    if started is None:
+        started = _process_start()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -508,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlmath.demo.runner import DemoOutputError
 
         try:
-            result = _run_demo(args, cfg)
+            result = _run_demo(args, cfg, started)
         except DemoOutputError as err:
             # Raised before any work: the output folder is checked first.
             parser.error(f"--out: {err}")

@@ -72,6 +72,7 @@ def dp_outputs():
     return run_distributed(_dp_worker, 2, NAMES)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("split", C.DP_SPLITS)
 @pytest.mark.parametrize("name", NAMES)
 def test_data_parallel_invariance(name, split, dp_outputs):

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,7 @@ def test_build_model_hf_tiny_without_transformers_raises(monkeypatch):
         build_model("hf-tiny", ModelConfig(vocab_size=14))
 
 
+@pytest.mark.integration
 def test_help_lists_the_documented_flags():
     text = build_parser().parse_known_args(["demo"])[0]
     assert text.command == "demo"
@@ -110,7 +112,7 @@ def test_help_lists_the_documented_flags():
 def test_ctrl_c_outside_the_loop_exits_130(monkeypatch, capsys):
     import rlmath.demo.runner as runner
 
-    def interrupted(cfg):
+    def interrupted(cfg, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_demo", interrupted)
@@ -208,8 +210,8 @@ def test_help_shows_the_ranges():
 def test_diverged_run_exits_1(monkeypatch, capsys):
     import rlmath.demo.runner as runner
 
-    def diverged(cfg):
-        return runner.DemoResult(out=cfg.out_dir, diverged="step 3: pg_loss is nan (not finite)")
+    def diverged(cfg, **kwargs):
+        return runner.DemoResult(out=Path("unused"), diverged="step 3: pg_loss is nan (not finite)")
 
     monkeypatch.setattr(runner, "run_demo", diverged)
     assert main(["demo", "--steps", "5"]) == 1

@@ -61,6 +61,7 @@ def one_process(tmp_path_factory):
     return {algo: run(root, algo, algo) for algo in ("grpo", "ppo")}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 @pytest.mark.parametrize(
     "layout",
@@ -74,6 +75,7 @@ def test_two_processes_write_the_metrics_of_one(algo, layout, one_process, tmp_p
     assert_same_metrics(one_process[algo], run(tmp_path, "n2", algo, *layout))
 
 
+@pytest.mark.integration
 def test_only_rank_zero_writes_and_prints(tmp_path, capfd):
     pytest.importorskip("matplotlib")
     run(tmp_path, "n2", "grpo", "--nproc", "2")
@@ -85,6 +87,24 @@ def test_only_rank_zero_writes_and_prints(tmp_path, capfd):
     assert out.count("wall time") == 1
 
 
+@pytest.mark.integration
+def test_nproc_after_a_default_run_gets_its_own_folder(tmp_path, monkeypatch):
+    """`rlmath demo` then `rlmath demo --nproc 2`, both without --out, both succeed."""
+    monkeypatch.chdir(tmp_path)
+    short = ["--algo", "grpo", "--steps", "1", "--batch-size", "4", "--group-size", "2",
+             "--warmup-steps", "1", "--no-progress"]  # fmt: skip
+    assert main(["demo", *short]) == 0
+    (first,) = (tmp_path / "runs").iterdir()
+    before = (first / "metrics.jsonl").read_text()
+    assert main(["demo", *short, "--nproc", "2"]) == 0
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2
+    assert (first / "metrics.jsonl").read_text() == before
+    for folder in folders:
+        assert len(read_metrics(folder / "metrics.jsonl")) == 1
+
+
+@pytest.mark.integration
 def test_torchrun_runs_the_same_loop(one_process, tmp_path):
     out = tmp_path / "torchrun"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

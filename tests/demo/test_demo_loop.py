@@ -38,6 +38,7 @@ def tiny(algo: str, out, **kw) -> DemoConfig:
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_loop_runs_and_writes_outputs(algo, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # curves.png
     result = run_demo(tiny(algo, tmp_path))
     assert not result.interrupted
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -72,6 +73,7 @@ def test_same_seed_same_run(algo, tmp_path):
 
 
 def test_ctrl_c_keeps_finished_steps(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")  # curves.png
     real_step = Trainer.step
 
     def step(self, n):
@@ -87,7 +89,9 @@ def test_ctrl_c_keeps_finished_steps(tmp_path, monkeypatch):
     assert (tmp_path / "curves.png").exists()
 
 
+@pytest.mark.integration
 def test_python_m_rlmath_demo(tmp_path):
+    pytest.importorskip("matplotlib")  # curves.png
     proc = subprocess.run(
         [
             sys.executable, "-m", "rlmath", "demo", "--algo", "grpo", "--steps", "2",
@@ -116,6 +120,7 @@ def test_runs_without_the_demo_extras(tmp_path, monkeypatch, capsys):
 
 
 def test_progress_bar_shows_live_metrics(tmp_path, capsys):
+    pytest.importorskip("tqdm")  # the bar; without it plain lines (test above)
     run_demo(tiny("ppo", tmp_path, progress=True))
     err = capsys.readouterr().err
     assert "PPO" in err and "reward=" in err and "kl=" in err and "entropy=" in err
@@ -180,3 +185,51 @@ def test_without_matplotlib_no_stale_curves_are_listed(tmp_path, monkeypatch, ca
     assert "metrics.jsonl" in summary
     assert "curves.png not written: matplotlib is not installed" in summary
     assert f"{tmp_path / 'curves.png'}" not in summary
+
+
+def test_each_run_without_out_gets_a_fresh_folder(tmp_path, monkeypatch, capsys):
+    """`rlmath demo` typed twice: two folders under runs/, the first one untouched."""
+    from rlmath.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "demo", "--algo", "grpo", "--steps", "1", "--batch-size", "2", "--group-size", "2",
+        "--warmup-steps", "1", "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    first_out = capsys.readouterr().out
+    (first,) = (tmp_path / "runs").iterdir()
+    before = (first / "metrics.jsonl").read_text()
+    assert main(argv) == 0
+    second_out = capsys.readouterr().out
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and first in folders
+    (second,) = (f for f in folders if f != first)
+    assert (first / "metrics.jsonl").read_text() == before
+    assert len(read_metrics(second / "metrics.jsonl")) == 1
+    for text, folder in ((first_out, first), (second_out, second)):
+        name = str(folder.relative_to(tmp_path))
+        assert name.startswith("runs/demo-grpo-")
+        # Named at the start and at the end.
+        assert text.index(f"outputs: {name}/") < text.index(f"outputs in {name}/")
+
+
+def test_run_folders_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    import rlmath.demo.runner as runner
+
+    monkeypatch.setattr(runner.time, "strftime", lambda fmt: "20260101-000000")
+    made = [runner.new_run_folder("ppo", tmp_path) for _ in range(3)]
+    assert [p.name for p in made] == [
+        "demo-ppo-20260101-000000",
+        "demo-ppo-20260101-000000-2",
+        "demo-ppo-20260101-000000-3",
+    ]
+    assert all(p.is_dir() for p in made)
+
+
+def test_the_printed_wall_time_starts_at_the_given_start(tmp_path, capsys):
+    import time
+
+    result = run_demo(tiny("grpo", tmp_path, steps=1), started=time.time() - 1000.0)
+    assert result.seconds >= 1000.0
+    assert f"wall time {result.seconds:.1f} s" in capsys.readouterr().out

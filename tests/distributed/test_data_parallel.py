@@ -20,6 +20,7 @@ from .dp_workers import (
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_dp_stats_equal_single_process(world, dtype_name):
@@ -87,6 +88,7 @@ def test_complex_values_are_rejected():
         rd.distributed_mean_max_min_std(v, mask=m)
 
 
+@pytest.mark.integration
 def test_different_dtypes_on_different_ranks_raise_on_every_rank():
     """fp64 on one rank and fp32 on another used to kill gloo with SIGABRT."""
     results = run_distributed(mixed_dtype_worker, 2, ["float64", "float32"])
@@ -100,6 +102,7 @@ def test_different_dtypes_on_different_ranks_raise_on_every_rank():
         assert res["after"] == 2.0  # the group is still usable
 
 
+@pytest.mark.integration
 def test_dtypes_with_the_same_statistics_dtype_work():
     """bf16 and fp32 values both give fp32 statistics: nothing to refuse."""
     results = run_distributed(mixed_dtype_worker, 2, ["bfloat16", "float32"])
@@ -108,6 +111,7 @@ def test_dtypes_with_the_same_statistics_dtype_work():
     torch.testing.assert_close(means[0][1], means[1][1], rtol=0, atol=0)
 
 
+@pytest.mark.integration
 def test_each_statistic_issues_the_fewest_collectives():
     """The moments are computed once: 2 all-reduces for a sum or mean, 3 for a
     variance, a whitening or the logging statistics (whose max and min travel

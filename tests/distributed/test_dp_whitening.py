@@ -9,6 +9,7 @@ accident.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,6 +67,7 @@ def whitening_worker() -> dict:
     }
 
 
+@pytest.mark.integration
 def test_whitening_over_the_group_equals_single_process():
     results = run_distributed(whitening_worker, 2)
     rows = [slice(0, SPLIT), slice(SPLIT, 8)]

@@ -24,6 +24,7 @@ def results():
     return run_distributed(worker, 2)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("case", "placement"),
     [("shard_vocab", "Shard(dim=2)"), ("replicate", "Replicate()"), ("shard_rows", "Shard(dim=0)")],
@@ -39,6 +40,7 @@ def test_dtensor_logits_equal_the_full_tensor(results, case, placement):
         assert res["gx_placement"] == [placement]
 
 
+@pytest.mark.integration
 def test_a_plain_reference_tensor_gets_each_ranks_share(results):
     want = single_logits(problem())["gr"]
     local = [r["shard_vocab_plain_ref"]["gr_local"] for r in results]
@@ -50,6 +52,7 @@ def test_a_plain_reference_tensor_gets_each_ranks_share(results):
         assert results[0]["shard_vocab_plain_ref"][key] < TOL
 
 
+@pytest.mark.integration
 def test_dtensor_head_is_vocabulary_parallel(results):
     for r in results:
         for key in ("lp", "ent", "gh", "gw", "gb"):
@@ -57,11 +60,13 @@ def test_dtensor_head_is_vocabulary_parallel(results):
         assert "FSDP2" in r["head"]["plain_hidden_error"]
 
 
+@pytest.mark.integration
 def test_unsupported_placements_raise_type_error(results):
     for r in results:
         assert "placement Partial" in r["partial_error"]
 
 
+@pytest.mark.integration
 def test_single_process_and_vocabulary_parallel_share_the_autograd_function(results):
     expected = {
         "log_probs": ["LogProbsEntropyFunctionBackward"],
@@ -74,6 +79,7 @@ def test_single_process_and_vocabulary_parallel_share_the_autograd_function(resu
             assert single == parallel == expected[op], op
 
 
+@pytest.mark.integration
 def test_ignored_rows_temperature_reaches_no_vocab_parallel_gradient(results):
     for r in results:
         assert r["ignored_rows_temperature"] == {"0.0": True, "nan": True}

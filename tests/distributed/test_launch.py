@@ -35,6 +35,7 @@ def _all_gone(started):
     return bool(procs) and all(not p.is_alive() and p.exitcode is not None for p in procs)
 
 
+@pytest.mark.integration
 def test_ranks_that_never_finish_time_out_and_are_terminated(contexts):
     with pytest.raises(
         TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after timeout=3 s"
@@ -43,6 +44,7 @@ def test_ranks_that_never_finish_time_out_and_are_terminated(contexts):
     assert _all_gone(contexts)
 
 
+@pytest.mark.integration
 def test_a_rank_missing_from_a_collective_fails_the_call(contexts):
     """The waiting rank hits the collective timeout or the call's own deadline, whichever first."""
     with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
@@ -50,6 +52,7 @@ def test_a_rank_missing_from_a_collective_fails_the_call(contexts):
     assert _all_gone(contexts)
 
 
+@pytest.mark.integration
 def test_timeout_none_and_timedelta_still_run():
     assert run_distributed(ok_worker, 2, timeout=None) == [2.0, 2.0]
     assert run_distributed(ok_worker, 2, timeout=datetime.timedelta(minutes=2)) == [2.0, 2.0]

@@ -218,6 +218,7 @@ def _applies(case: Case, world: int) -> bool:
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", LOGIT_CASES, ids=lambda c: c.name)
 def test_logits_functions_equal_single_process(tp_results, case, world):
@@ -255,6 +256,7 @@ def test_logits_functions_equal_single_process(tp_results, case, world):
             assert torch.equal(res[case.name][key], results[0][case.name][key])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.name)
 def test_fused_head_equals_single_process(tp_results, case, world):
@@ -285,6 +287,7 @@ def test_fused_head_equals_single_process(tp_results, case, world):
             assert torch.equal(res[case.name][key], results[0][case.name][key])
 
 
+@pytest.mark.integration
 def test_tensor_parallel_subgroups(tp_results):
     """World 4 split into two TP groups of 2: each group equals the single process."""
     case = next(c for c in CASES if c.name == "pad_inf_f64")
@@ -300,6 +303,7 @@ def test_tensor_parallel_subgroups(tp_results):
             _close(got, _pad_last(exp[key], padded), case)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", WORLDS)
 def test_response_rmpad_equals_single_process(tp_results, world):
     ids, mask, logits, temperature, coef = rmpad_problem()
@@ -314,6 +318,7 @@ def test_response_rmpad_equals_single_process(tp_results, world):
     assert (want.detach() != 0).sum() > 6  # the case is not trivially zero
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", WORLDS)
 def test_validate_catches_bad_layouts_on_every_rank(tp_results, world):
     for res in tp_results[world]:
@@ -325,6 +330,7 @@ def test_validate_catches_bad_layouts_on_every_rank(tp_results, world):
         assert v["ok"] == ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", WORLDS)
 def test_example_matches_single_process(tp_results, world):
     """examples/distributed_logprobs.py (run inside the same spawn) reports tiny differences."""

@@ -93,6 +93,7 @@ def _layout_worker(simulate_accelerator: bool) -> dict[str, object]:
     return out
 
 
+@pytest.mark.integration
 def test_a_bad_layout_raises_on_every_rank_on_a_cpu():
     for out in run_distributed(_layout_worker, 2, False):
         for layout in ("overlap", "gap"):
@@ -101,6 +102,7 @@ def test_a_bad_layout_raises_on_every_rank_on_a_cpu():
         assert all(torch.isfinite(v).all() for v in out["good"].values())
 
 
+@pytest.mark.integration
 def test_a_bad_layout_gives_nan_without_a_host_read():
     for out in run_distributed(_layout_worker, 2, True):
         for layout in ("overlap", "gap"):

@@ -330,6 +330,7 @@ def test_the_environment_variable_replaces_auto(monkeypatch):
         _lp(x.double(), labels)
 
 
+@pytest.mark.integration
 def test_the_self_check_runs_outside_a_compiled_graph(monkeypatch):
     """Under ``torch.compile(fullgraph=True)`` the choice is a constant: no graph break."""
     calls = _checked_backend(monkeypatch)

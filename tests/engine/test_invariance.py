@@ -177,6 +177,7 @@ def one_process():
     return _tp_run(0, 1)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_tensor_parallel_degree_does_not_change_a_bit(world, one_process):
     results = run_distributed(_tp_worker, world)
@@ -197,6 +198,7 @@ def test_tensor_parallel_degree_does_not_change_a_bit(world, one_process):
             )
 
 
+@pytest.mark.integration
 def test_packed_response_rows_over_shards_equal_one_process():
     results = run_distributed(_packed_worker, 2)
     want = _packed_run(0, 1)

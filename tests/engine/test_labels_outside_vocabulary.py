@@ -187,6 +187,7 @@ def _tp_worker(_: None) -> dict[str, torch.Tensor]:
     return {"lp": lp.detach(), "grad": g[:, :real], "lp_k": lp_k, "lp_h": lp_h.detach()}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", [2])
 def test_vocab_parallel_ranks(world):
     for out in run_distributed(_tp_worker, world, None):

@@ -109,6 +109,7 @@ def _run(fn, inputs, seed=1):
     return [o.detach() for o in outs], grads
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compile_fullgraph_equals_eager(name):
     fn, inputs = CASES[name]
@@ -120,6 +121,7 @@ def test_compile_fullgraph_equals_eager(name):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.integration
 def test_compile_with_inductor_and_sum_pi_squared():
     x, *_ = _data(torch.float32)
     labels = torch.randint(0, V, (B, T))
@@ -137,6 +139,7 @@ def test_compile_with_inductor_and_sum_pi_squared():
     torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_compile_gae_equals_eager():
     g = torch.Generator().manual_seed(3)
     r, v = torch.randn(4, 37, generator=g), torch.randn(4, 37, generator=g)

@@ -30,6 +30,7 @@ def results():
     return run_distributed(worker, 2)
 
 
+@pytest.mark.integration
 def test_response_log_probs_under_fsdp2(results):
     for rank in results:
         for case, diffs in rank.items():
@@ -40,6 +41,7 @@ def test_response_log_probs_under_fsdp2(results):
     )
 
 
+@pytest.mark.integration
 def test_fused_module_under_fsdp2(results):
     for rank in results:
         for case in ("fused-head", "fused-parent"):

@@ -293,6 +293,7 @@ def _prompt_info_worker():
     return dense, local
 
 
+@pytest.mark.integration
 def test_prompt_batch_info_over_two_gloo_ranks():
     from rlmath.distributed import run_distributed
 

@@ -201,12 +201,14 @@ def _check_real_ranks(results, seed, cases, world):
             torch.testing.assert_close(res["grad"], leaf.grad, **TOL)
 
 
+@pytest.mark.integration
 def test_real_gloo_ranks_match_single_process():
     """4 real processes, global counts all-reduced by global_batch_info over the group."""
     results = run_distributed(dp_policy_worker, 4, 11, REAL_CASES)
     _check_real_ranks(results, 11, REAL_CASES, 4)
 
 
+@pytest.mark.integration
 def test_every_policy_loss_on_two_gloo_ranks():
     """Every registered loss (each in one of the modes, prompt-mean included) on 2 real
     ranks with uneven micro-batches equals one process on the whole batch (one spawn)."""

@@ -80,6 +80,7 @@ def _two_rank_worker(seed):
     return out.keep, out.threshold, q32
 
 
+@pytest.mark.integration
 def test_two_gloo_ranks_equal_one_process_on_the_concatenation():
     seed = 3
     results = run_distributed(_two_rank_worker, 2, seed)

@@ -302,6 +302,7 @@ def _dp_normalize_worker(seed):
     }
 
 
+@pytest.mark.integration
 def test_batch_normalize_over_two_gloo_ranks():
     from rlmath.distributed import run_distributed
 

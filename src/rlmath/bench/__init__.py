@@ -63,7 +63,8 @@ def run(
         area: One of :data:`AREAS`, or ``"all"``.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); CUDA timings
             synchronize before each clock reading.
-        quick: Small shapes: every area in seconds rather than minutes.
+        quick: Smaller shapes than the full tables (docs/benchmarks.md, "The
+            quick shapes", shows them and a measured run).
         busy_cores: Processes started to keep that many cores busy while
             measuring, in ``[0, os.cpu_count()]``; 0: none.
         repeats: Timed runs per implementation (at least 5); None: each

@@ -31,7 +31,7 @@ class DemoConfig:
     kl_coef: float = 0.01  # PPO: initial β of the adaptive controller; GRPO: KL loss coef
     seed: int = 0
     device: str = "cpu"
-    out: Path | None = None  # None: runs/demo-<algo>
+    out: Path | None = None  # None: a fresh folder runs/demo-<algo>-<timestamp> per run
     overwrite: bool = False  # replace the outputs of a previous run in ``out``
     model: str = "tiny"
     threads: int | None = None  # None: 1
@@ -84,10 +84,6 @@ class DemoConfig:
             raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         given = {k: v for k, v in overrides.items() if v is not None}
         return cls(algo=algo, **{**ALGO_DEFAULTS[algo], **given})  # type: ignore[arg-type]
-
-    @property
-    def out_dir(self) -> Path:
-        return self.out if self.out is not None else Path("runs") / f"demo-{self.algo}"
 
 
 # Per-algorithm defaults, tuned so that each run finishes in a few minutes on

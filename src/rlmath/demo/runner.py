@@ -36,6 +36,7 @@ __all__ = [
     "OUTPUT_FILES",
     "DemoOutputError",
     "DemoResult",
+    "new_run_folder",
     "prepare_output",
     "run_demo",
     "run_demo_worker",
@@ -43,6 +44,9 @@ __all__ = [
 
 #: What a run writes to its output folder.
 OUTPUT_FILES = ("metrics.jsonl", "curves.png")
+
+#: Where runs without ``--out`` get their own folder (relative to the working directory).
+RUNS_ROOT = Path("runs")
 
 
 class DemoOutputError(ValueError):
@@ -79,29 +83,60 @@ def _setup(cfg: DemoConfig) -> torch.device:
 
 
 def _check_output(cfg: DemoConfig, layout: Layout) -> Path:
-    """:func:`prepare_output` on rank 0; its error, if any, raised on every rank."""
-    error = None
+    """:func:`prepare_output` on rank 0; its folder, or its error, on every rank."""
+    answer: tuple[str, str] | None = None
     if layout.is_main:
         try:
-            prepare_output(cfg)
+            answer = ("ok", str(prepare_output(cfg)))
         except DemoOutputError as err:
-            error = str(err)
-    error = layout.broadcast(error)
-    if error is not None:
-        raise DemoOutputError(error)
-    return cfg.out_dir
+            answer = ("error", str(err))
+    kind, text = layout.broadcast(answer)
+    if kind == "error":
+        raise DemoOutputError(text)
+    return Path(text)
+
+
+def new_run_folder(algo: str, root: Path = RUNS_ROOT) -> Path:
+    """Create and return a fresh folder ``root/demo-<algo>-<YYYYmmdd-HHMMSS>``.
+
+    Two runs started in the same second get different folders: the folder is
+    created with ``mkdir`` (which fails when it exists), and a taken name gets
+    the suffix ``-2``, ``-3``, ... . No existing folder is ever reused.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = root / f"demo-{algo}-{stamp}"
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise DemoOutputError(f"no free run folder named {base}-N in {root}")
 
 
 def prepare_output(cfg: DemoConfig) -> Path:
     """Check and create the output folder before any work; return it.
 
-    Raises :class:`DemoOutputError` when the path is a file, lies below a
-    file, cannot be created or written, or already holds a run's outputs
-    (:data:`OUTPUT_FILES`; an empty ``metrics.jsonl`` does not count) and
-    ``cfg.overwrite`` is false. With ``overwrite`` the previous outputs are
-    deleted here, so no file of an older run can be mistaken for this one's.
+    Without ``cfg.out`` a fresh folder is created by :func:`new_run_folder`
+    (``runs/demo-<algo>-<timestamp>``), so a run never touches an earlier
+    one. With ``cfg.out``, raises :class:`DemoOutputError` when the path is a
+    file, lies below a file, cannot be created or written, or already holds a
+    run's outputs (:data:`OUTPUT_FILES`; an empty ``metrics.jsonl`` does not
+    count) and ``cfg.overwrite`` is false. With ``overwrite`` the previous
+    outputs are deleted here, so no file of an older run can be mistaken for
+    this one's.
     """
-    out = cfg.out_dir
+    if cfg.out is None:
+        try:
+            out = new_run_folder(cfg.algo)
+        except OSError as err:
+            raise DemoOutputError(
+                f"cannot create a run folder in {RUNS_ROOT}: {err.strerror or err}"
+            ) from None
+    else:
+        out = cfg.out
     if out.exists() and not out.is_dir():
         raise DemoOutputError(f"{out} exists and is not a folder")
     ancestor = out.parent
@@ -131,18 +166,22 @@ def prepare_output(cfg: DemoConfig) -> Path:
     return out
 
 
-def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
-    """Run one demo end to end; returns the records also written to ``cfg.out_dir``.
+def run_demo(
+    cfg: DemoConfig, *, stream: TextIO | None = None, started: float | None = None
+) -> DemoResult:
+    """Run one demo end to end; returns the records also written to the output folder.
 
     The output folder is checked (and created) first, before any work: see
-    :func:`prepare_output`. Ctrl-C (``KeyboardInterrupt``) during training
+    :func:`prepare_output`; ``DemoResult.out`` names it. ``started`` is the
+    ``time.time()`` at which the command started (the printed wall time runs
+    from it; default: now). Ctrl-C (``KeyboardInterrupt``) during training
     stops the loop after the steps already finished: their metrics are on
     disk (each line is flushed), and the plot and summary are still produced
     from them. A NaN or infinite loss, gradient norm or rollout statistic
     stops training the same way, with ``DemoResult.diverged`` naming the step
     and the metric.
     """
-    t_start = time.perf_counter()
+    t_start = time.time() if started is None else started
     device = _setup(cfg)
     layout = current_layout(cfg.tp, device)
     out_dir = _check_output(cfg, layout)
@@ -167,6 +206,7 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
         f"seed {cfg.seed}",
         file=stream,
     )
+    print(f"outputs: {out_dir}/", file=stream)
     if layout.distributed:
         print(
             f"{layout.world_size} processes: {layout.dp} data-parallel "
@@ -251,14 +291,14 @@ def run_demo(cfg: DemoConfig, *, stream: TextIO | None = None) -> DemoResult:
             )
         else:
             result.curves_written = True
-    result.seconds = time.perf_counter() - t_start
+    result.seconds = time.time() - t_start
     _print_summary(cfg, result, stream)
     return result
 
 
-def run_demo_worker(cfg: DemoConfig) -> DemoResult:
+def run_demo_worker(cfg: DemoConfig, started: float | None = None) -> DemoResult:
     """:func:`run_demo` in a process started by ``rlmath.distributed.run_distributed``."""
-    return run_demo(cfg)
+    return run_demo(cfg, started=started)
 
 
 class _Progress:

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import (
     check_choice,
     check_finite_scalar,

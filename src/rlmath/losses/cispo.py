@@ -20,8 +20,8 @@ TRL's ``epsilon_high=E`` is ``clip_ratio_high=E − 1`` here.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath.losses._policy_inputs import (
     check_loss_args,
     clip_bounds,

@@ -30,8 +30,8 @@ slice as ``selection=``; with the selection fixed, the losses are exact under
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range, check_same_shape, check_tensor
 from rlmath.losses._policy_inputs import (
     PolicyInputs,

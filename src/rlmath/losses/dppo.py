@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range
 from rlmath.losses._policy_inputs import (
     PolicyInputs,

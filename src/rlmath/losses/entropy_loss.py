@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import (
     check_choice,
     check_in_range,

@@ -20,8 +20,8 @@ the paper's mean over sequences.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath.losses._policy_inputs import (
     check_loss_args,
     clip_bounds,

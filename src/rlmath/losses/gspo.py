@@ -30,8 +30,8 @@ aggregation mode gives the paper's sequence-level gradient.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath.losses._policy_inputs import (
     PolicyInputs,
     check_loss_args,

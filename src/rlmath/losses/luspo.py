@@ -18,8 +18,8 @@ honoured as given (``seq-mean-token-mean`` gives back GSPO).
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath.losses.aggregation import AggregationKwargs
 from rlmath.losses.gspo import compute_policy_loss_gspo
 from rlmath.losses.registry import register_policy_loss

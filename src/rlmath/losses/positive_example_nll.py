@@ -19,8 +19,8 @@ the micro-batch's own count).
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import (
     check_choice,
     check_mask,

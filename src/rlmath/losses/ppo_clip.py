@@ -14,8 +14,8 @@ loss of negative-advantage tokens whose ratio exploded: for ``A < 0``,
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range
 from rlmath.losses._policy_inputs import (
     check_loss_args,

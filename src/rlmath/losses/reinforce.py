@@ -11,8 +11,8 @@ feeds the ``ppo_kl`` metric.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
 from rlmath.losses.aggregation import AggregationKwargs
 from rlmath.losses.registry import register_policy_loss

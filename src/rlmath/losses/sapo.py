@@ -13,8 +13,8 @@ damps negative-advantage updates more strongly.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range
 from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
 from rlmath.losses.aggregation import AggregationKwargs

@@ -25,8 +25,8 @@ advantage; here the advantage is the reward the loss sees, as in the paper.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_choice, check_in_range
 from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
 from rlmath.losses.aggregation import AggregationKwargs

@@ -17,8 +17,8 @@ the fp64 reference (written as the min above) checks.
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range
 from rlmath.losses._policy_inputs import clip_bounds
 from rlmath.losses.aggregation import AggregationKwargs

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
-from typing_extensions import Unpack
 
+from rlmath._typing import Unpack
 from rlmath._validation import check_in_range, check_same_shape, check_tensor
 from rlmath.losses._policy_inputs import check_loss_args, policy_metrics, prepare_policy_inputs
 from rlmath.losses.aggregation import AggregationKwargs
