@@ -313,34 +313,46 @@ def test_vocab_parallel_world_of_one_with_padding(blocks):
     assert (leaf.grad[:, real:] == 0).all() and (leaf.grad[4] == 0).all()
 
 
+def _shard_worker(k: int, entropy: bool) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Rank 0 holds tokens [0, 100), rank 1 [100, 400) of which 280 are real (vocab_size 380)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    N = 28
+    g = gen(13)
+    x_full = torch.randn(N, 400, generator=g) * 2
+    labels = torch.randint(0, 380, (N, k), generator=g)
+    labels[5] = IGNORE
+    gl, ge = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
+    start, width = (0, 100) if rank == 0 else (100, 300)
+    shard = R.VocabParallel(group=dist.group.WORLD, start=start)
+    out = {}
+    for be in ("torch", "triton"):
+        leaf = x_full[:, start : start + width].clone().requires_grad_()
+        kw = {"vocab_size": 380, "vocab_parallel": shard, "backend": be}
+        if entropy:
+            lp, ent = R.log_probs_and_entropy_from_logits(leaf, labels, **kw)
+            loss = (lp * gl).sum() + (ent * ge).sum()
+        else:
+            lp = R.log_probs_from_logits(leaf, labels, **kw)
+            ent, loss = lp, (lp * gl).sum()
+        loss.backward()
+        out[be] = (lp.detach(), ent.detach(), leaf.grad)
+    return out
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("entropy", [False, True])
 def test_a_shard_that_holds_only_some_labels_matches_the_torch_backend(k, entropy):
-    """A shard starting at token 100: labels outside it are another shard's (not owned here)."""
-    N, V = 28, 300
-    g = gen(13)
-    x = torch.randn(N, V, generator=g) * 2
-    labels = torch.randint(0, 100 + 280, (N, k), generator=g)  # some below 100
-    labels[5] = IGNORE
-    gl, ge = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
-    out = {}
-    for be in ("torch", "triton"):
-        leaf = x.clone().requires_grad_()
-        if entropy:
-            lp, ent = vp.vocab_parallel_log_probs_and_entropy(
-                leaf, labels, vocab_start_index=100, vocab_size=380, backend=be
-            )
-            loss = (lp * gl).sum() + (ent * ge).sum()
-        else:
-            lp = vp.vocab_parallel_log_probs_from_logits(
-                leaf, labels, vocab_start_index=100, vocab_size=380, backend=be
-            )
-            ent, loss = lp, (lp * gl).sum()
-        loss.backward()
-        out[be] = (lp, ent, leaf.grad)
-    for a, b in zip(out["triton"], out["torch"], strict=True):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    assert (out["triton"][2][:, 280:] == 0).all()
+    """Two gloo ranks; on each, the labels outside its shard are the other's (not owned here)."""
+    from rlmath.distributed import run_distributed
+
+    for rank, out in enumerate(run_distributed(_shard_worker, 2, k, entropy)):
+        for a, b in zip(out["triton"], out["torch"], strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        if rank == 1:
+            assert (out["triton"][2][:, 280:] == 0).all()
 
 
 # ------------------------------------------------------------------ responses (narrow and packed rows)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlmath import _device
 from rlmath.engine import tree
 from rlmath.engine.config import VocabShard
+from rlmath.engine.execution import one_thread
 from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 
 __all__ = [
@@ -265,7 +266,8 @@ def fold_tiles(*sums: torch.Tensor | None) -> list[torch.Tensor | None]:
     present = [x for x in sums if x is not None and x.dim() == 2]
     if not present:
         return list(sums)
-    root = tree.fold(torch.stack(present, -1))
+    with one_thread():
+        root = tree.fold(torch.stack(present, -1))
     out: list[torch.Tensor | None] = []
     k = 0
     for x in sums:

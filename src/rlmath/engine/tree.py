@@ -9,7 +9,8 @@ the vocabulary size:
    one may be shorter), and each tile is summed on its own;
 2. the tile sums are added in a binary tree over the global tile index: at
    level ``L`` node ``i`` is the sum of nodes ``2i`` and ``2i + 1`` of level
-   ``L - 1``, or node ``2i`` alone when ``2i + 1`` is past the end.
+   ``L - 1``, a node past the end counting as ``+0.0`` (so the tree is that
+   of the tile count padded with zeros to a power of two).
 
 A process that holds an aligned run of tiles (a vocabulary shard whose first
 column is a multiple of :data:`TILE`) computes exactly the nodes of that tree
@@ -116,12 +117,10 @@ def local_nodes(x: torch.Tensor, first: int, total: int) -> list[torch.Tensor]:
         if hi % 2 and hi < n and lo < hi:
             out.append(x[:, -1])
             x, hi = x[:, :-1], hi - 1
-        k = hi - lo
-        even = k - k % 2
-        y = x[:, 0:even:2] + x[:, 1:even:2]
-        if k % 2:  # the last node of the level has no right sibling: it moves up as it is
-            y = torch.cat([y, x[:, -1:]], 1)
-        x, lo, hi, n = y, lo // 2, (hi + 1) // 2, (n + 1) // 2
+        if (hi - lo) % 2:  # the last node of the level has no right sibling: it gets +0.0
+            x = torch.cat([x, torch.zeros_like(x[:, -1:])], 1)
+        x = x[:, 0::2] + x[:, 1::2]
+        lo, hi, n = lo // 2, (hi + 1) // 2, (n + 1) // 2
     return out
 
 
@@ -141,13 +140,23 @@ def evaluate(nodes: dict[Node, torch.Tensor], total: int) -> torch.Tensor:
         left = value(level - 1, 2 * index)
         if 2 * index + 1 < counts[level - 1]:
             return left + value(level - 1, 2 * index + 1)
-        return left
+        return left + torch.zeros_like(left)
 
     return value(len(counts) - 1, 0)
 
 
 def fold(x: torch.Tensor) -> torch.Tensor:
-    """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)`` (zeros for ``n = 0``)."""
-    if x.shape[1] == 0:
-        return x.new_zeros(x.shape[0], x.shape[2])
-    return local_nodes(x, 0, x.shape[1])[0]
+    """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)`` (zeros for ``n = 0``).
+
+    The tiles padded with zeros to a power of two, then halved level by level:
+    the additions of :func:`local_nodes` for a run of every tile, in fewer ops.
+    """
+    c, n, k = x.shape
+    if n == 0:
+        return x.new_zeros(c, k)
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(c, width - n, k)], 1)
+    while x.shape[1] > 1:
+        x = x[:, 0::2] + x[:, 1::2]
+    return x[:, 0]

@@ -1,0 +1,129 @@
+"""Benchmark: the cost of the fixed summation order (128-column tiles and a tree) on a CPU.
+
+The pure-torch passes sum each row over the vocabulary per 128-column tile and
+add the tiles in a fixed tree (``rlmath/engine/tree.py``), which makes the
+results bitwise independent of the tensor-parallel degree. This compares the
+same public calls with the tile sums replaced by one plain row sum per row
+(the order the passes used before; the tree over one tile is the identity),
+interleaved in one process: the ratio is what the fixed order costs.
+
+Prints a table: median milliseconds per call of each, their ratio, and the
+load average. Run: ``python benchmarks/bench_sum_order.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+import rlmath.engine.torch_backend.kl_forward as kl_forward
+import rlmath.engine.torch_backend.logits_forward as logits_forward
+import rlmath.engine.torch_backend.sum_pi_squared as sum_pi_squared
+from rlmath.log_probs import (
+    kl_from_logits,
+    log_probs_and_entropy_from_logits,
+    sum_pi_squared_from_logits,
+)
+
+MODULES = (logits_forward, kl_forward, sum_pi_squared)
+
+
+def _row_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
+    """One "tile" per row: the plain row sum."""
+    return x.nansum(-1, keepdim=True) if nan else x.sum(-1, keepdim=True)
+
+
+@contextlib.contextmanager
+def plain_row_sums() -> Iterator[None]:
+    """Within the block, the passes sum each row in one reduction instead of tiles."""
+    saved = [m.tile_sums for m in MODULES]
+    saved_count = [getattr(m, "tile_count", None) for m in MODULES]
+    try:
+        for m in MODULES:
+            m.tile_sums = _row_sums  # type: ignore[attr-defined]
+            if hasattr(m, "tile_count"):
+                m.tile_count = lambda columns: 1 if columns else 0  # type: ignore[attr-defined]
+        yield
+    finally:
+        for m, f, c in zip(MODULES, saved, saved_count, strict=True):
+            m.tile_sums = f  # type: ignore[attr-defined]
+            if c is not None:
+                m.tile_count = c  # type: ignore[attr-defined]
+
+
+def _cases(n: int, v: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    ref = (x.float() + 0.3 * torch.randn(n, v, generator=g)).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    xg = x.clone().requires_grad_()
+
+    def forward() -> object:
+        with torch.no_grad():
+            return log_probs_and_entropy_from_logits(x, labels)
+
+    def forward_backward() -> object:
+        lp, ent = log_probs_and_entropy_from_logits(xg, labels)
+        (lp.sum() + ent.sum()).backward()
+        return None
+
+    def kl() -> object:
+        with torch.no_grad():
+            return kl_from_logits(x, ref)
+
+    def pi_squared() -> object:
+        return sum_pi_squared_from_logits(x)
+
+    return {
+        "log-probs+entropy fwd": forward,
+        "log-probs+entropy fwd+bwd": forward_backward,
+        "KL fwd": kl,
+        "Σπ²": pi_squared,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--shapes", default="4096x32000,1024x151936")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="256x32000 fp32, 5 repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.dtypes, args.repeats = "256x32000", "float32", 5
+    torch.set_num_threads(args.threads)
+    print(f"threads={args.threads} load average at start {os.getloadavg()[0]:.1f}")
+    print(f"| {'case':<28} | {'shape':>12} | {'dtype':>8} | tiles+tree ms | row sum ms | ratio |")
+    print(f"|{'-' * 30}|{'-' * 14}|{'-' * 10}|---------------|------------|-------|")
+    for shape in args.shapes.split(","):
+        n, v = (int(p) for p in shape.split("x"))
+        for dt in args.dtypes.split(","):
+            for name, fn in _cases(n, v, getattr(torch, dt)).items():
+                fn()
+                with plain_row_sums():
+                    fn()
+                tiled, plain = [], []
+                for _ in range(args.repeats):  # interleaved: the load hits both alike
+                    t0 = time.perf_counter()
+                    fn()
+                    tiled.append(time.perf_counter() - t0)
+                    with plain_row_sums():
+                        t0 = time.perf_counter()
+                        fn()
+                        plain.append(time.perf_counter() - t0)
+                a, b = statistics.median(tiled) * 1e3, statistics.median(plain) * 1e3
+                print(
+                    f"| {name:<28} | {shape:>12} | {dt:>8} | {a:13.1f} | {b:10.1f} | {a / b:5.2f} |"
+                )
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
