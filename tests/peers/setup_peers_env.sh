@@ -30,9 +30,10 @@ PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
 "${PIP[@]}" packaging "numpy>=2.0.0" "ray>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
   "transformers>=5.5.3,<5.11,!=5.6.0" omegaconf codetiming
 
-# 3. TRL 0.24.0 without deps; trl.trainer.utils imports accelerate and pandas.
+# 3. TRL 0.24.0 without deps; trl.trainer.utils imports accelerate and pandas, and
+#    trl.trainer.grpo_trainer (the GRPO algorithm comparisons) imports datasets.
 "${PIP[@]}" --no-deps trl==0.24.0
-"${PIP[@]}" "accelerate>=1.4.0" pandas
+"${PIP[@]}" "accelerate>=1.4.0" pandas datasets
 
 # 4. rlmath itself (editable) and the test tools; `parameterized` is what TRL's own tests
 #    (copied in tests/peers/trl_0_24_0/) use.
