@@ -87,6 +87,8 @@ def valid_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     """Raise ``ValueError`` listing the valid names unless ``value`` is one of them."""
+    if isinstance(value, str) and value in choices:
+        return value
     valid: Sequence[str] = sorted(choices)
     if not isinstance(value, str) or value not in valid:
         raise ValueError(f"unknown {name} {value!r}; valid values are: {', '.join(valid)}")
@@ -194,7 +196,10 @@ def check_in_range(
 
 def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 if any input is fp64, else fp32: the dtype of every rlmath result."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    for t in tensors:
+        if t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 # ---------------------------------------------------------------- vocabulary inputs
