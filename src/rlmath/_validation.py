@@ -138,9 +138,12 @@ def check_finite_scalar(name: str, value: object) -> float:
     numpy arrays and one-element real tensors (read with ``.item()``: a host
     sync on an accelerator).
     """
-    if not _scalar_kind(value):
-        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
-    v = float(_scalar_value(name, value))
+    if type(value) is float or type(value) is int:  # the common case, without the ABC checks
+        v = float(value)
+    else:
+        if not _scalar_kind(value):
+            raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+        v = float(_scalar_value(name, value))
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
@@ -154,9 +157,12 @@ def check_int(name: str, value: object, low: int | None = None, high: int | None
     ``.item()``: a host sync on an accelerator). Floats, even integral ones
     such as ``2.0``, are rejected.
     """
-    if _scalar_kind(value) != "int":
-        raise TypeError(f"{name} must be an int, got {_describe(value)}")
-    v = int(_scalar_value(name, value))
+    if type(value) is int:  # the common case, without the ABC checks
+        v = value
+    else:
+        if _scalar_kind(value) != "int":
+            raise TypeError(f"{name} must be an int, got {_describe(value)}")
+        v = int(_scalar_value(name, value))
     if (low is not None and v < low) or (high is not None and v > high):
         if high is None:
             raise ValueError(f"{name} must be >= {low}, got {v}")
