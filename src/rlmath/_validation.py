@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "as_dtype",
     "check_choice",
     "check_finite_scalar",
     "check_in_range",
@@ -198,6 +199,11 @@ def check_in_range(
         hi = "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
         raise ValueError(f"{name} must be in {lo}, {hi}, got {v:g}")
     return v
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when ``x`` has that dtype (``to`` is not free)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def result_dtype(*tensors: torch.Tensor) -> torch.dtype:

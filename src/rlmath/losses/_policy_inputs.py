@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rlmath._validation import (
+    as_dtype,
     check_choice,
     check_in_range,
     check_mask,
@@ -71,7 +72,7 @@ class PolicyInputs:
     def _count(self) -> torch.Tensor:
         """``Σ w`` over every valid token, 1 where there is none: the denominator of a mean."""
         if self.bool_mask:
-            return self.valid.sum().clamp_min(1)  # an exact count of valid tokens
+            return self.valid.sum().clamp_min(1).to(self.weights.dtype)  # an exact count
         den = self.weights.sum()
         return torch.where(den == 0, torch.ones_like(den), den)
 
@@ -85,9 +86,9 @@ class PolicyInputs:
             if self.bool_mask:
                 if x.dtype == torch.bool:
                     return torch.count_nonzero(x & self.valid) / self._count
-                return torch.where(self.valid, x.to(w.dtype), 0).sum() / self._count
-            return (torch.where(self.valid, x.to(w.dtype), 0) * w).sum() / self._count
-        v = torch.where(self.valid, x.to(w.dtype), 0) * w
+                return torch.where(self.valid, as_dtype(x, w.dtype), 0).sum() / self._count
+            return (torch.where(self.valid, as_dtype(x, w.dtype), 0) * w).sum() / self._count
+        v = torch.where(self.valid, as_dtype(x, w.dtype), 0) * w
         num, den = v.sum(axis), w.sum(axis)
         return num / torch.where(den == 0, torch.ones_like(den), den)
 
@@ -97,7 +98,7 @@ class PolicyInputs:
             return self.mean(x)
         if x.dtype == torch.bool:
             return torch.count_nonzero(x) / self._count
-        return x.to(self.weights.dtype).sum() / self._count
+        return as_dtype(x, self.weights.dtype).sum() / self._count
 
     def frac(self, condition: torch.Tensor) -> torch.Tensor:
         """Fraction of valid tokens where ``condition`` holds (mask weights respected)."""
@@ -158,14 +159,14 @@ def prepare_policy_inputs(
     )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
     valid = valid_mask(response_mask)
-    old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
-    logp = torch.where(valid, log_prob.to(dtype), 0)
-    adv = torch.where(valid, advantages.detach().to(dtype), 0)
+    old = torch.where(valid, as_dtype(old_log_prob.detach(), dtype), 0)
+    logp = torch.where(valid, as_dtype(log_prob, dtype), 0)
+    adv = torch.where(valid, as_dtype(advantages.detach(), dtype), 0)
     isw = None
     if rollout_is_weights is not None:
         check_tensor("rollout_is_weights", rollout_is_weights, floating=True)
         check_same_shape("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
-        isw = torch.where(valid, rollout_is_weights.detach().to(dtype), 0)
+        isw = torch.where(valid, as_dtype(rollout_is_weights.detach(), dtype), 0)
     log_ratio = logp - old
     clamped_log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     clamped = log_ratio.detach().abs() > log_ratio_clamp

@@ -55,6 +55,7 @@ import torch
 from typing_extensions import Unpack
 
 from rlmath._validation import (
+    as_dtype,
     check_choice,
     check_finite_scalar,
     check_in_range,
@@ -287,10 +288,14 @@ def agg_loss(
         raise ValueError("loss_mat must have at least one dimension (tokens), got a 0-d tensor")
     dtype = result_dtype(loss_mat)
     if loss_mask.dtype == torch.bool:
-        return aggregate(loss_mat.to(dtype), loss_mask, None, loss_agg_mode, agg)
+        return aggregate(as_dtype(loss_mat, dtype), loss_mask, None, loss_agg_mode, agg)
     valid = loss_mask != 0
     return aggregate(
-        loss_mat.to(dtype), valid, torch.where(valid, loss_mask.to(dtype), 0), loss_agg_mode, agg
+        as_dtype(loss_mat, dtype),
+        valid,
+        torch.where(valid, loss_mask.to(dtype), 0),
+        loss_agg_mode,
+        agg,
     )
 
 
