@@ -326,9 +326,14 @@ def check_temperature(
         if validate and t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
         return t, 1.0
-    if not _scalar_kind(temperature):
-        raise TypeError(f"temperature must be a float or a tensor, got {_describe(temperature)}")
-    value = float(_scalar_value("temperature", temperature))
+    if type(temperature) is float or type(temperature) is int:
+        value = float(temperature)
+    else:
+        if not _scalar_kind(temperature):
+            raise TypeError(
+                f"temperature must be a float or a tensor, got {_describe(temperature)}"
+            )
+        value = float(_scalar_value("temperature", temperature))
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     return None, value

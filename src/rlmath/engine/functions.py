@@ -17,7 +17,6 @@ contributing zero.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -75,9 +74,12 @@ def _direct(x: torch.Tensor) -> bool:
     )
 
 
-def _on(x: torch.Tensor) -> Any:
-    """The device guard the dispatcher sets for an operator (CUDA: ``x``'s device current)."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext()
+def _run(x: torch.Tensor, body: Any, *args: Any) -> Any:
+    """``body(*args)`` under the device guard the dispatcher sets (CUDA: ``x``'s device current)."""
+    if x.device.type == "cuda":
+        with torch.cuda.device(x.device):
+            return body(*args)
+    return body(*args)
 
 
 class DoubleBackwardError(RuntimeError):
@@ -134,8 +136,7 @@ class LogProbsEntropyFunction(_Function):
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if _direct(logits):
-            with _on(logits):
-                return impl.logits_forward(logits, labels, temperature, row_index, config)
+            return _run(logits, impl.logits_forward, logits, labels, temperature, row_index, config)
         return ops.logits_forward(logits, labels, temperature, row_index, *config.op_args())
 
     @staticmethod
@@ -180,10 +181,10 @@ class _LogProbsEntropyGrad(_Function):
         config: OpConfig,
     ) -> torch.Tensor:
         if _direct(logits):
-            with _on(logits):
-                return impl.logits_backward(
-                    grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, config
-                )
+            return _run(
+                logits, impl.logits_backward,
+                grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, config,
+            )  # fmt: skip
         return ops.logits_backward(
             grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent,
             *config.op_args(),
@@ -216,8 +217,7 @@ class KLFunction(_Function):
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if _direct(logits):
-            with _on(logits):
-                return impl.kl_forward(logits, ref_logits, temperature, config)
+            return _run(logits, impl.kl_forward, logits, ref_logits, temperature, config)
         return ops.kl_forward(logits, ref_logits, temperature, *config.op_args())
 
     @staticmethod
@@ -258,11 +258,10 @@ class _KLGrad(_Function):
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if _direct(logits):
-            with _on(logits):
-                return impl.kl_backward(
-                    grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_z, need_r,
-                    config,
-                )  # fmt: skip
+            return _run(
+                logits, impl.kl_backward,
+                grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_z, need_r, config,
+            )  # fmt: skip
         return ops.kl_backward(
             grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_z, need_r,
             *config.op_args(),
