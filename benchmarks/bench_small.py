@@ -2,9 +2,9 @@
 
 A thin wrapper over :mod:`rlmath.bench.small` (the same table as
 ``rlmath bench small``; the methodology is in that module's docstring) that
-runs on one intra-op thread, median of 7.
+runs on one intra-op thread, median of 15.
 
-Usage: ``python benchmarks/bench_small.py [--repeats 7] [--quick] [--threads 1]
+Usage: ``python benchmarks/bench_small.py [--repeats 15] [--quick] [--threads 1]
 [--no-peers] [--busy-cores K]``. Run it with ``.venv-peers/bin/python`` to
 include verl's own functions.
 """

@@ -74,7 +74,7 @@ def run(
             measuring, in ``[0, os.cpu_count()]``; 0: none.
         repeats: Timed runs per implementation (at least 5); None: each
             area's default (5 for the log-probs and the fused head, 7 for
-            the advantages).
+            the advantages, 15 for the small calls).
         threads: torch's CPU threads for the run (restored afterwards);
             None: leave torch's setting as it is.
         peers: Include verl / TRL / TorchRL where they import.

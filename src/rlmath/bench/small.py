@@ -16,7 +16,7 @@ Inputs: ``(B, T) = (8, 1024)`` fp32 tokens for the losses and estimators
 (the trained input requiring grad, as in a training step), ``(8, V)`` logits
 for the vocabulary functions with ``V`` = 32000 (Llama 2) and 151936 (Qwen 2)
 in bf16 and fp32; the full ``(B·T, V)`` logits are the ``logprobs`` area's.
-Each timed run makes enough calls to take about 2 ms; the table gives the
+Each timed run makes enough calls to take about 5 ms; the table gives the
 median per call of interleaved runs and the peak RSS of one call in a fresh
 process (:func:`rlmath.bench.memory.peak_rss_bytes`). Times are forward
 calls (the losses build their autograd graph); ``× verl formula`` is
@@ -50,11 +50,11 @@ from rlmath.bench.tables import print_header, print_rows, significant
 
 __all__ = ["CASES", "SMALL_HEADER", "case_calls", "rss_case", "run"]
 
-DEFAULT_REPEATS = 7
+DEFAULT_REPEATS = 15
 B, T = 8, 1024
 VOCABS = (32000, 151936)
 #: Seconds one timed run should last: enough calls to average out the clock.
-RUN_SECONDS = 2e-3
+RUN_SECONDS = 5e-3
 
 SMALL_HEADER = [
     "function",

@@ -64,6 +64,11 @@ class PolicyInputs:
     ratio: torch.Tensor
     clamped: torch.Tensor
     bool_mask: bool = False
+    invalid: torch.Tensor | None = None
+
+    @cached_property
+    def _invalid(self) -> torch.Tensor:
+        return ~self.valid if self.invalid is None else self.invalid
 
     def zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
@@ -86,8 +91,8 @@ class PolicyInputs:
             if self.bool_mask:
                 if x.dtype == torch.bool:
                     return torch.count_nonzero(x & self.valid) / self._count
-                return torch.where(self.valid, as_dtype(x, w.dtype), 0).sum() / self._count
-            return (torch.where(self.valid, as_dtype(x, w.dtype), 0) * w).sum() / self._count
+                return as_dtype(x, w.dtype).masked_fill(self._invalid, 0).sum() / self._count
+            return (as_dtype(x, w.dtype).masked_fill(self._invalid, 0) * w).sum() / self._count
         v = torch.where(self.valid, as_dtype(x, w.dtype), 0) * w
         num, den = v.sum(axis), w.sum(axis)
         return num / torch.where(den == 0, torch.ones_like(den), den)
@@ -119,7 +124,7 @@ class PolicyInputs:
         ):
             # aggregate's token mean, sharing the count of valid tokens with the metrics.
             loss_mat = self.apply_is_weights(loss_mat)
-            return torch.where(self.valid, loss_mat, 0).sum() / self._count
+            return loss_mat.masked_fill(self._invalid, 0).sum() / self._count
         return aggregate(
             self.apply_is_weights(loss_mat),
             self.valid,
@@ -159,14 +164,16 @@ def prepare_policy_inputs(
     )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
     valid = valid_mask(response_mask)
-    old = torch.where(valid, as_dtype(old_log_prob.detach(), dtype), 0)
-    logp = torch.where(valid, as_dtype(log_prob, dtype), 0)
-    adv = torch.where(valid, as_dtype(advantages.detach(), dtype), 0)
+    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
+    invalid = ~valid
+    old = as_dtype(old_log_prob.detach(), dtype).masked_fill(invalid, 0)
+    logp = as_dtype(log_prob, dtype).masked_fill(invalid, 0)
+    adv = as_dtype(advantages.detach(), dtype).masked_fill(invalid, 0)
     isw = None
     if rollout_is_weights is not None:
         check_tensor("rollout_is_weights", rollout_is_weights, floating=True)
         check_same_shape("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
-        isw = torch.where(valid, as_dtype(rollout_is_weights.detach(), dtype), 0)
+        isw = as_dtype(rollout_is_weights.detach(), dtype).masked_fill(invalid, 0)
     log_ratio = logp - old
     clamped_log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     clamped = log_ratio.detach().abs() > log_ratio_clamp
@@ -174,7 +181,7 @@ def prepare_policy_inputs(
     return PolicyInputs(
         valid=valid,
         mask=response_mask,
-        weights=valid.to(dtype) if bool_mask else torch.where(valid, response_mask.to(dtype), 0),
+        weights=valid.to(dtype) if bool_mask else response_mask.to(dtype).masked_fill(invalid, 0),
         old_log_prob=old,
         log_prob=logp,
         advantages=adv,
@@ -184,6 +191,7 @@ def prepare_policy_inputs(
         ratio=torch.exp(clamped_log_ratio),
         clamped=clamped,
         bool_mask=bool_mask,
+        invalid=invalid,
     )
 
 
@@ -239,16 +247,42 @@ def policy_metrics(
     ``masked``: the three conditions are already False wherever the mask is 0
     (conditions on the masked advantages' sign are).
     """
+    ppo_kl = inp.mean_of_masked(inp.clamped_log_ratio.detach().neg())
+    if (
+        masked
+        and inp.bool_mask
+        and clipped_high is not None
+        and clipped_low is not None
+        and clipped_lower is not None
+    ):
+        # Four exact counts of valid tokens in one reduction, one division.
+        conditions = torch.stack([clipped_high, clipped_low, clipped_lower, inp.clamped])
+        counts = torch.count_nonzero(conditions.reshape(4, -1), dim=1)
+        high, low, lower, clamped = (counts / inp._count).unbind()
+        return {
+            "pg_clipfrac": high + low,
+            "pg_clipfrac_high": high,
+            "pg_clipfrac_low": low,
+            "pg_clipfrac_lower": lower,
+            "ppo_kl": ppo_kl,
+            "log_ratio_clamped_frac": clamped,
+        }
     frac = inp.mean_of_masked if masked else inp.mean
     zero = inp.zero() if None in (clipped_high, clipped_low, clipped_lower) else None
-    high = zero if clipped_high is None else frac(clipped_high).detach()
-    low = zero if clipped_low is None else frac(clipped_low).detach()
+
+    def of(condition: torch.Tensor | None) -> torch.Tensor:
+        if condition is None:
+            assert zero is not None
+            return zero
+        return frac(condition).detach()
+
+    high, low = of(clipped_high), of(clipped_low)
     # The clamped log-ratio is 0, and the clamp flag False, wherever the mask is 0.
     return {
-        "pg_clipfrac": high + low,  # type: ignore[operator]
-        "pg_clipfrac_high": high,  # type: ignore[dict-item]
-        "pg_clipfrac_low": low,  # type: ignore[dict-item]
-        "pg_clipfrac_lower": zero if clipped_lower is None else frac(clipped_lower).detach(),  # type: ignore[dict-item]
-        "ppo_kl": inp.mean_of_masked(inp.clamped_log_ratio.detach().neg()),
+        "pg_clipfrac": high + low,
+        "pg_clipfrac_high": high,
+        "pg_clipfrac_low": low,
+        "pg_clipfrac_lower": of(clipped_lower),
+        "ppo_kl": ppo_kl,
         "log_ratio_clamped_frac": inp.mean_of_masked(inp.clamped),
     }

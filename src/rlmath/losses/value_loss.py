@@ -66,16 +66,18 @@ def compute_value_loss(
     dtype = result_dtype(vpreds, returns, values)
     bool_mask = response_mask.dtype == torch.bool
     valid = valid_mask(response_mask)
-    weight = None if bool_mask else torch.where(valid, response_mask.to(dtype), 0)
-    pred = torch.where(valid, as_dtype(vpreds, dtype), 0)
-    target = torch.where(valid, as_dtype(returns.detach(), dtype), 0)
+    invalid = ~valid
+    weight = None if bool_mask else response_mask.to(dtype).masked_fill(invalid, 0)
+    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
+    pred = as_dtype(vpreds, dtype).masked_fill(invalid, 0)
+    target = as_dtype(returns.detach(), dtype).masked_fill(invalid, 0)
     loss1 = (pred - target).square()
     if cliprange_value is None:
         loss_mat = loss1
         clipfrac = torch.zeros((), dtype=dtype, device=pred.device)
     else:
         c = check_in_range("cliprange_value", cliprange_value, 0.0, None)
-        old = torch.where(valid, as_dtype(values.detach(), dtype), 0)
+        old = as_dtype(values.detach(), dtype).masked_fill(invalid, 0)
         loss2 = (torch.clamp(pred, old - c, old + c) - target).square()
         # Both terms are 0 where the mask is 0: larger is False there.
         larger = loss2 > loss1
