@@ -394,7 +394,8 @@ def bench_case(
             case = {"function": function, "shape": shape, "dtype": dtype, "impl": name,
                     "peers": setting.peers}  # fmt: skip
             value = peak_rss_bytes("rlmath.bench.small", case, threads=torch.get_num_threads())
-        peak[name] = "n/a" if value is None else f"{value / 2**20:.1f}"
+        # The resident set may shrink during a call that frees memory: 0, not negative.
+        peak[name] = "n/a" if value is None else f"{max(value, 0) / 2**20:.1f}"
     return [
         function, shape, dtype,
         cell("rlmath"), cell("verl formula"), cell("verl"), cell("naive"),

@@ -83,9 +83,22 @@ def compute_value_loss(
         larger = loss2 > loss1
         loss_mat = torch.where(larger, loss2, loss1)
         if weight is None:
-            clipfrac = torch.count_nonzero(larger) / valid.sum().clamp_min(1).to(dtype)
+            clipfrac = torch.count_nonzero(larger) / _token_count(valid, dtype)
         else:
             n = weight.sum()
             clipfrac = ((larger.to(dtype) * weight).sum() / torch.where(n == 0, 1.0, n)).detach()
+    if (
+        weight is None
+        and loss_agg_mode == "token-mean"
+        and agg.global_num_tokens is None
+        and agg.dp_size == 1
+    ):
+        # aggregate's token mean: loss_mat is already 0 wherever the mask is 0.
+        return 0.5 * (loss_mat.sum() / _token_count(valid, dtype)), {"vf_clipfrac": clipfrac}
     loss = 0.5 * aggregate(loss_mat, valid, weight, loss_agg_mode, agg)
     return loss, {"vf_clipfrac": clipfrac}
+
+
+def _token_count(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The number of valid tokens (1 if there is none) in ``dtype``: exact."""
+    return valid.sum().clamp_min(1).to(dtype)
