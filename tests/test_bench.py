@@ -18,7 +18,16 @@ import torch
 
 import rlmath as R
 from rlmath import cli
-from rlmath.bench import BenchSettingError, baselines, fused_head, logprobs, run, session
+from rlmath.bench import (
+    BenchSettingError,
+    baselines,
+    fused_head,
+    logprobs,
+    run,
+    session,
+    small,
+    verl_formulas,
+)
 from rlmath.bench.advantages import GAMMA_LAM, gae_inputs, outcome_inputs
 from rlmath.bench.busy import BusyLoad, check_busy_cores
 from rlmath.bench.memory import peak_rss_bytes, rss_measurable
@@ -89,7 +98,7 @@ def test_bench_help_lists_the_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--device", "--quick", "--busy-cores", "--repeats", "--threads", "--no-peers"):
         assert flag in out
-    for area in ("logprobs", "fused-head", "advantages", "all"):
+    for area in ("logprobs", "fused-head", "advantages", "small", "all"):
         assert area in out
 
 
@@ -147,6 +156,78 @@ def test_logprobs_table_names_rlmath_and_the_baseline(capsys):
     for row in rows:
         assert all(float(e) < 1e-4 for e in row[-1].split(" / "))
     assert rows[0][5] == "1.00" and rows[0][7] == "1.00"  # the baseline's own ratio
+
+
+def test_small_table_times_every_listed_function(capsys):
+    functions = ["log_probs_from_logits", "kl_from_logits", "agg_loss token-mean"]  # table order
+    with session(peers=False, rss=False, threads=1) as setting:
+        small.run(setting, quick=True, repeats=5, functions=functions)
+    out = capsys.readouterr().out
+    assert "verl: no" in out and "1 thread" in out
+    rows = _table_rows(out, "function")
+    assert [row[0] for row in rows] == functions
+    assert [row[1:3] for row in rows] == [["(8, 32000)", "bfloat16"], ["(8, 32000)", "bfloat16"],
+                                          ["(8, 1024)", "float32"]]  # fmt: skip
+    for row in rows:
+        assert float(row[3]) > 0 and float(row[6]) > 0  # rlmath and naive µs
+        assert row[5] == row[8] == "n/a"  # verl not imported, no peers
+        assert float(row[9]) > 0
+    assert rows[0][4] != "n/a" and float(rows[0][7]) > 0
+    assert rows[1][4] == rows[1][7] == "n/a"  # verl has no exact KL over the vocabulary
+
+
+def test_small_cases_cover_every_function_group():
+    names = {case[0] for case in small.CASES}
+    for name in (*small.VOCAB_FUNCTIONS, "policy loss vanilla", "compute_value_loss",
+                 "compute_entropy_loss", "kl_penalty k3", "compute_gae_advantage_return",
+                 "compute_grpo_outcome_advantage", "masked_mean", "masked_whiten"):  # fmt: skip
+        assert name in names
+    for mode in R.LOSS_AGG_MODES:
+        assert f"agg_loss {mode}" in names or mode in ("token-sum", "prompt-mean")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(a.detach().double(), b.detach().double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", [c for c in small.CASES if c[2] == "float32"], ids=str)
+def test_verl_formulas_compute_what_rlmath_computes(case):
+    """On the benchmark's (finite) inputs the verl formulas agree with rlmath where their
+    semantics coincide: the ratios compare two ways of getting one result."""
+    function = case[0]
+    calls = small.case_calls(*case, peers=False)
+    if calls.get("verl formula") is None:
+        pytest.skip("no verl formula")
+    ours, theirs = calls["rlmath"](), calls["verl formula"]()
+    if function == "agg_loss seq-mean-token-sum-norm":
+        # verl divides by the constant only, rlmath by the sequences too.
+        _close(ours * small.B, theirs, 1e-5)
+        return
+    if function == "compute_gae_advantage_return":
+        d = small._tokens(torch.device("cpu"))
+        # rlmath's advantages are 0 at masked positions, verl whitens them too.
+        _close(ours[0][d["mask"]], theirs[0][d["mask"]], 1e-4)
+        return
+    if function == "masked_whiten":
+        mask = small._tokens(torch.device("cpu"))["mask"]
+        _close(ours[mask], theirs[mask], 1e-5)
+        return
+    if isinstance(ours, tuple) and isinstance(ours[1], dict):  # (loss, metrics)
+        ours = ours[0]
+        theirs = theirs[0]
+    elif isinstance(ours, tuple):
+        ours, theirs = ours[0], theirs[0]
+    _close(ours, theirs, 1e-5)
+
+
+def test_verl_formula_log_probs_match_rlmath_in_both_dtypes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 300, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 300, (4,), generator=g)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        _close(verl_formulas.logprobs_from_logits(x.to(dtype), labels),
+               R.log_probs_from_logits(x.to(dtype), labels), tol)  # fmt: skip
+    _close(verl_formulas.entropy_from_logits(x.float()), R.entropy_from_logits(x.float()), 1e-5)
 
 
 def test_fused_head_table_names_rlmath_and_the_baselines(capsys, matmul_library):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "as_dtype",
     "check_choice",
     "check_finite_scalar",
     "check_in_range",
@@ -88,6 +89,8 @@ def valid_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     """Raise ``ValueError`` listing the valid names unless ``value`` is one of them."""
+    if isinstance(value, str) and value in choices:
+        return value
     valid: Sequence[str] = sorted(choices)
     if not isinstance(value, str) or value not in valid:
         raise ValueError(f"unknown {name} {value!r}; valid values are: {', '.join(valid)}")
@@ -151,9 +154,12 @@ def check_finite_scalar(name: str, value: object) -> float:
     numpy arrays and one-element real tensors (read with ``.item()``: a host
     sync on an accelerator).
     """
-    if not _scalar_kind(value):
-        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
-    v = float(_scalar_value(name, value))
+    if type(value) is float or type(value) is int:  # the common case, without the ABC checks
+        v = float(value)
+    else:
+        if not _scalar_kind(value):
+            raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+        v = float(_scalar_value(name, value))
     if not is_finite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
@@ -167,9 +173,12 @@ def check_int(name: str, value: object, low: int | None = None, high: int | None
     ``.item()``: a host sync on an accelerator). Floats, even integral ones
     such as ``2.0``, are rejected.
     """
-    if _scalar_kind(value) != "int":
-        raise TypeError(f"{name} must be an int, got {_describe(value)}")
-    v = int(_scalar_value(name, value))
+    if type(value) is int:  # the common case, without the ABC checks
+        v = value
+    else:
+        if _scalar_kind(value) != "int":
+            raise TypeError(f"{name} must be an int, got {_describe(value)}")
+        v = int(_scalar_value(name, value))
     if (low is not None and v < low) or (high is not None and v > high):
         if high is None:
             raise ValueError(f"{name} must be >= {low}, got {v}")
@@ -207,9 +216,17 @@ def check_in_range(
     return v
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when ``x`` has that dtype (``to`` is not free)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 if any input is fp64, else fp32: the dtype of every rlmath result."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    for t in tensors:
+        if t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 # ---------------------------------------------------------------- vocabulary inputs
@@ -324,9 +341,14 @@ def check_temperature(
         if validate and t.numel() and not bool(((t > 0) & torch.isfinite(t)).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
         return t, 1.0
-    if not _scalar_kind(temperature):
-        raise TypeError(f"temperature must be a float or a tensor, got {_describe(temperature)}")
-    value = float(_scalar_value("temperature", temperature))
+    if type(temperature) is float or type(temperature) is int:
+        value = float(temperature)
+    else:
+        if not _scalar_kind(temperature):
+            raise TypeError(
+                f"temperature must be a float or a tensor, got {_describe(temperature)}"
+            )
+        value = float(_scalar_value("temperature", temperature))
     if not is_finite(value) or value <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     return None, value

@@ -289,7 +289,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         type=_number(int, MIN_REPEATS, MAX_REPEATS),
         metavar="N",
         help=f"timed runs per implementation, in {_range(MIN_REPEATS, MAX_REPEATS)} "
-        "(default: 5 for logprobs and fused-head, 7 for advantages)",
+        "(default: 5 for logprobs and fused-head, 7 for advantages, 15 for small)",
     )
     p.add_argument(
         "--threads",

@@ -32,9 +32,12 @@ these statements by exact enumeration over a small categorical distribution.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlmath._validation import (
+    as_dtype,
     check_choice,
     check_in_range,
     check_mask,
@@ -58,6 +61,25 @@ _BASE = {
 
 #: Every name accepted by :func:`kl_penalty`.
 KL_ESTIMATORS: tuple[str, ...] = tuple(sorted([*_BASE, *(name + "+" for name in _BASE)]))
+_ESTIMATOR_BASE = {name: _BASE[name.removesuffix("+")] for name in KL_ESTIMATORS}
+
+_PLAIN = (float, int, type(None))
+_BOUNDS: dict[tuple[Any, Any], tuple[float, float | None]] = {}
+
+
+def _check_bounds(log_ratio_clamp: object, k3_max: object) -> tuple[float, float | None]:
+    """The checked ``(log_ratio_clamp, k3_max)``, remembered for Python numbers."""
+    key = (log_ratio_clamp, k3_max)
+    plain = type(log_ratio_clamp) in _PLAIN and type(k3_max) in _PLAIN
+    if plain and key in _BOUNDS:
+        return _BOUNDS[key]
+    clamp = check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
+    top = None
+    if k3_max is not None:
+        top = check_in_range("k3_max", k3_max, 0.0, None, low_inclusive=False)
+    if plain and len(_BOUNDS) < 64:
+        _BOUNDS[key] = (clamp, top)
+    return clamp, top
 
 
 def kl_penalty(
@@ -120,18 +142,18 @@ def kl_penalty(
         ``response_mask`` is 0. Element-wise: a NaN at one position affects
         that position only.
     """
-    if estimator in ("full", "full+"):
-        raise ValueError(
-            "estimator 'full' is the exact KL over the vocabulary and needs the logits, "
-            "not the sampled tokens' log-probs: call rlmath.kl_from_logits(logits, ref_logits)"
-        )
-    check_choice("estimator", estimator, KL_ESTIMATORS)
+    base = _ESTIMATOR_BASE.get(estimator) if isinstance(estimator, str) else None
+    if base is None:
+        if estimator in ("full", "full+"):
+            raise ValueError(
+                "estimator 'full' is the exact KL over the vocabulary and needs the logits, "
+                "not the sampled tokens' log-probs: call rlmath.kl_from_logits(logits, ref_logits)"
+            )
+        check_choice("estimator", estimator, KL_ESTIMATORS)
     check_tensor("log_prob", log_prob, floating=True)
     check_tensor("ref_log_prob", ref_log_prob, floating=True)
     check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
-    clamp = check_in_range("log_ratio_clamp", log_ratio_clamp, 0.0, None, low_inclusive=False)
-    if k3_max is not None:
-        k3_max = check_in_range("k3_max", k3_max, 0.0, None, low_inclusive=False)
+    clamp, k3_max = _check_bounds(log_ratio_clamp, k3_max)
     tensors = [log_prob, ref_log_prob]
     if old_log_prob is not None:
         if estimator not in ("k3", "low_var_kl"):
@@ -144,9 +166,9 @@ def kl_penalty(
         tensors.append(old_log_prob)
 
     dtype = result_dtype(*tensors)
-    logp = log_prob.to(dtype)
-    ref = ref_log_prob.to(dtype)
-    old = None if old_log_prob is None else old_log_prob.to(dtype)
+    logp = as_dtype(log_prob, dtype)
+    ref = as_dtype(ref_log_prob, dtype)
+    old = None if old_log_prob is None else as_dtype(old_log_prob, dtype)
     valid = None
     if response_mask is not None:
         check_mask("response_mask", response_mask, "log_prob", log_prob)
@@ -154,8 +176,6 @@ def kl_penalty(
         logp = torch.where(valid, logp, 0)
         ref = torch.where(valid, ref, 0)
         old = None if old is None else torch.where(valid, old, 0)
-    base = _BASE[estimator.removesuffix("+")]
-
     if base == "k1":
         value = logp - ref
     elif base == "abs":

@@ -33,7 +33,14 @@ from __future__ import annotations
 import torch
 
 from rlmath._collectives import ProcessGroup, check_same_dtype, global_sum
-from rlmath._validation import check_in_range, check_mask, check_tensor, result_dtype, valid_mask
+from rlmath._validation import (
+    as_dtype,
+    check_in_range,
+    check_mask,
+    check_tensor,
+    result_dtype,
+    valid_mask,
+)
 
 __all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
 
@@ -59,8 +66,10 @@ def _prepare(
     if group is not None:
         check_same_dtype("values", values, dtype, group)
     valid = valid_mask(mask)
-    weights = None if mask.dtype == torch.bool else torch.where(valid, mask.to(dtype), 0)
-    return torch.where(valid, values.to(dtype), 0), valid, weights
+    invalid = ~valid
+    weights = None if mask.dtype == torch.bool else mask.to(dtype).masked_fill(invalid, 0)
+    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
+    return as_dtype(values, dtype).masked_fill(invalid, 0), valid, weights
 
 
 def _sum(x: torch.Tensor, axis: Axis, keepdim: bool = False) -> torch.Tensor:
@@ -156,6 +165,11 @@ def masked_mean(
     dimensions when None). Dtype: fp32 (fp64 for fp64 inputs).
     """
     v, valid, w = _prepare(values, mask, axis, group)
+    if group is None and axis is None:
+        if w is None:
+            return v.sum() / torch.count_nonzero(valid).clamp_min(1).to(v.dtype)
+        n = w.sum()
+        return (v * w).sum() / torch.where(n == 0, torch.ones_like(n), n)
     total, n = _sums(v, valid, w, axis, group)
     return _reduced(_safe_div(total, n), axis)
 

@@ -9,7 +9,9 @@ fused head, the largest error against fp64 math.
 * ``logprobs`` (:mod:`rlmath.bench.logprobs`): log-probs and entropy from logits;
 * ``fused-head`` (:mod:`rlmath.bench.fused_head`): log-probs and entropy from
   hidden states and the LM head's weight;
-* ``advantages`` (:mod:`rlmath.bench.advantages`): GAE and the outcome estimators.
+* ``advantages`` (:mod:`rlmath.bench.advantages`): GAE and the outcome estimators;
+* ``small`` (:mod:`rlmath.bench.small`): one call of each public function at
+  verl's micro-batch shapes, against verl's formulas.
 
 ``busy_cores`` (:mod:`rlmath.bench.busy`) keeps that many cores busy with
 processes of the benchmark's own while it measures: the load a shared
@@ -30,7 +32,7 @@ from rlmath.bench.setting import BenchSettingError, Setting, check_repeats, sess
 __all__ = ["AREAS", "BenchSettingError", "Setting", "run", "session"]
 
 #: The benchmark areas, in the order ``"all"`` runs them.
-AREAS = ("logprobs", "fused-head", "advantages")
+AREAS = ("logprobs", "fused-head", "advantages", "small")
 
 
 def _area(name: str) -> Callable[..., None]:
@@ -42,6 +44,10 @@ def _area(name: str) -> Callable[..., None]:
         from rlmath.bench import fused_head
 
         return fused_head.run
+    if name == "small":
+        from rlmath.bench import small
+
+        return small.run
     from rlmath.bench import advantages
 
     return advantages.run
@@ -69,7 +75,7 @@ def run(
             measuring, in ``[0, os.cpu_count()]``; 0: none.
         repeats: Timed runs per implementation (at least 5); None: each
             area's default (5 for the log-probs and the fused head, 7 for
-            the advantages).
+            the advantages, 15 for the small calls).
         threads: torch's CPU threads for the run (restored afterwards);
             None: leave torch's setting as it is.
         peers: Include verl / TRL / TorchRL where they import.

@@ -38,7 +38,14 @@ def is_dtensor(x: object) -> bool:
 
 
 def any_dtensor(*xs: object) -> bool:
-    return any(is_dtensor(x) for x in xs)
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None:
+        return False
+    cls = mod.DTensor
+    for x in xs:
+        if isinstance(x, cls):
+            return True
+    return False
 
 
 def _placement_types() -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlmath.engine import ops
+from rlmath.engine import impl, ops
 from rlmath.engine.config import OpConfig
 
 __all__ = [
@@ -30,6 +30,56 @@ __all__ = [
     "KLFunction",
     "LogProbsEntropyFunction",
 ]
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+class _Function(torch.autograd.Function):
+    """``torch.autograd.Function`` whose ``apply`` skips the binding of default arguments.
+
+    ``Function.apply`` binds its arguments to ``forward``'s signature through
+    :mod:`inspect` on every call (tens of microseconds); the engine passes
+    every argument positionally, so outside functorch transforms (and without
+    a tensor a finished transform left wrapped) the call goes straight to the
+    C++ ``apply``. A compiler sees the usual ``apply``.
+    """
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        if torch._C._are_functorch_transforms_active() or any(
+            isinstance(a, torch.Tensor) and _is_wrapped(a) for a in args
+        ):
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)  # type: ignore[misc]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(x: torch.Tensor) -> bool:
+    """Run an operator's Python body directly instead of through the dispatcher.
+
+    The operators exist for compilers, ``torch.func`` transforms and dispatch
+    modes (which see one opaque op); a plain eager call of a plain tensor
+    gets the same result from the body without the dispatch (and the packing
+    of the configuration into the operator's arguments).
+    """
+    return (
+        type(x) in _PLAIN
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and x.device.type in ("cpu", "cuda")
+    )
+
+
+def _run(x: torch.Tensor, body: Any, *args: Any) -> Any:
+    """``body(*args)`` under the device guard the dispatcher sets (CUDA: ``x``'s device current)."""
+    if x.device.type == "cuda":
+        with torch.cuda.device(x.device):
+            return body(*args)
+    return body(*args)
 
 
 class DoubleBackwardError(RuntimeError):
@@ -58,7 +108,7 @@ def _no_double_backward(name: str) -> DoubleBackwardError:
     )
 
 
-class LogProbsEntropyFunction(torch.autograd.Function):
+class LogProbsEntropyFunction(_Function):
     """Label log-probs and/or entropy of ``softmax(logits / T)`` (any vocabulary shard).
 
     ``apply(logits, labels, temperature, row_index, config)``:
@@ -85,6 +135,8 @@ class LogProbsEntropyFunction(torch.autograd.Function):
         row_index: torch.Tensor | None,
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _direct(logits):
+            return _run(logits, impl.logits_forward, logits, labels, temperature, row_index, config)
         return ops.logits_forward(logits, labels, temperature, row_index, *config.op_args())
 
     @staticmethod
@@ -113,7 +165,7 @@ class LogProbsEntropyFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class _LogProbsEntropyGrad(torch.autograd.Function):
+class _LogProbsEntropyGrad(_Function):
     generate_vmap_rule = True
 
     @staticmethod
@@ -128,6 +180,11 @@ class _LogProbsEntropyGrad(torch.autograd.Function):
         ent: torch.Tensor,
         config: OpConfig,
     ) -> torch.Tensor:
+        if _direct(logits):
+            return _run(
+                logits, impl.logits_backward,
+                grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, config,
+            )  # fmt: skip
         return ops.logits_backward(
             grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent,
             *config.op_args(),
@@ -142,7 +199,7 @@ class _LogProbsEntropyGrad(torch.autograd.Function):
         raise _no_double_backward("log-probs / entropy from logits")
 
 
-class KLFunction(torch.autograd.Function):
+class KLFunction(_Function):
     """Exact ``KL(softmax(z/T) ‖ softmax(r/T))`` per row (any vocabulary shard).
 
     ``apply(logits, ref_logits, temperature, config)`` with logits of the same
@@ -159,6 +216,8 @@ class KLFunction(torch.autograd.Function):
         temperature: torch.Tensor | None,
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _direct(logits):
+            return _run(logits, impl.kl_forward, logits, ref_logits, temperature, config)
         return ops.kl_forward(logits, ref_logits, temperature, *config.op_args())
 
     @staticmethod
@@ -182,7 +241,7 @@ class KLFunction(torch.autograd.Function):
         return (gz if need_z else None), (gr if need_r else None), None, None
 
 
-class _KLGrad(torch.autograd.Function):
+class _KLGrad(_Function):
     generate_vmap_rule = True
 
     @staticmethod
@@ -198,6 +257,11 @@ class _KLGrad(torch.autograd.Function):
         need_r: bool,
         config: OpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _direct(logits):
+            return _run(
+                logits, impl.kl_backward,
+                grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_z, need_r, config,
+            )  # fmt: skip
         return ops.kl_backward(
             grad_kl, logits, ref_logits, temperature, lse_z, lse_r, kl, need_z, need_r,
             *config.op_args(),
@@ -212,7 +276,7 @@ class _KLGrad(torch.autograd.Function):
         raise _no_double_backward("KL from logits")
 
 
-class FusedHeadFunction(torch.autograd.Function):
+class FusedHeadFunction(_Function):
     """Label log-probs and entropy of ``(hidden @ weight.T + bias) / T`` (any vocabulary shard).
 
     ``apply(hidden, weight, bias, labels, temperature, config)``:
@@ -269,7 +333,7 @@ class FusedHeadFunction(torch.autograd.Function):
         )
 
 
-class _FusedHeadGrad(torch.autograd.Function):
+class _FusedHeadGrad(_Function):
     generate_vmap_rule = True
 
     @staticmethod

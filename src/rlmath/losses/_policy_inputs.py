@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from rlmath._validation import (
+    as_dtype,
     check_choice,
     check_in_range,
     check_mask,
@@ -46,7 +48,8 @@ class PolicyInputs:
     ``old_log_prob``, ``log_prob``, ``advantages`` and ``is_weights`` are 0 where
     the mask is 0; ``log_ratio`` is their difference before clamping and
     ``clamped_log_ratio``/``ratio`` the clamped log-ratio and its exp.
-    ``weights`` are the mask's weights in the compute dtype (0 where not valid).
+    ``weights`` are the mask's weights in the compute dtype (0 where not valid);
+    ``bool_mask``: the mask is bool, so the weights are 1 where valid.
     """
 
     valid: torch.Tensor
@@ -60,9 +63,23 @@ class PolicyInputs:
     clamped_log_ratio: torch.Tensor
     ratio: torch.Tensor
     clamped: torch.Tensor
+    bool_mask: bool = False
+    invalid: torch.Tensor | None = None
+
+    @cached_property
+    def _invalid(self) -> torch.Tensor:
+        return ~self.valid if self.invalid is None else self.invalid
 
     def zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
+
+    @cached_property
+    def _count(self) -> torch.Tensor:
+        """``Σ w`` over every valid token, 1 where there is none: the denominator of a mean."""
+        if self.bool_mask:
+            return self.valid.sum().clamp_min(1).to(self.weights.dtype)  # an exact count
+        den = self.weights.sum()
+        return torch.where(den == 0, torch.ones_like(den), den)
 
     def mean(self, x: torch.Tensor, axis: int | None = None) -> torch.Tensor:
         """Weighted mean of ``x`` over the valid tokens (of each row with ``axis=-1``); 0 if none.
@@ -70,9 +87,23 @@ class PolicyInputs:
         ``x`` has the inputs' shape; values under the mask never count.
         """
         w = self.weights
-        v = torch.where(self.valid, x.to(w.dtype), 0) * w
-        num, den = (v.sum(), w.sum()) if axis is None else (v.sum(axis), w.sum(axis))
+        if axis is None:
+            if self.bool_mask:
+                if x.dtype == torch.bool:
+                    return torch.count_nonzero(x & self.valid) / self._count
+                return as_dtype(x, w.dtype).masked_fill(self._invalid, 0).sum() / self._count
+            return (as_dtype(x, w.dtype).masked_fill(self._invalid, 0) * w).sum() / self._count
+        v = torch.where(self.valid, as_dtype(x, w.dtype), 0) * w
+        num, den = v.sum(axis), w.sum(axis)
         return num / torch.where(den == 0, torch.ones_like(den), den)
+
+    def mean_of_masked(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`mean` of an ``x`` that is already 0 (False) wherever the mask is 0."""
+        if not self.bool_mask:
+            return self.mean(x)
+        if x.dtype == torch.bool:
+            return torch.count_nonzero(x) / self._count
+        return as_dtype(x, self.weights.dtype).sum() / self._count
 
     def frac(self, condition: torch.Tensor) -> torch.Tensor:
         """Fraction of valid tokens where ``condition`` holds (mask weights respected)."""
@@ -85,8 +116,21 @@ class PolicyInputs:
         self, loss_mat: torch.Tensor, loss_agg_mode: str, agg: Aggregation
     ) -> torch.Tensor:
         """``loss_mat`` (importance weights applied) reduced by ``loss_agg_mode``."""
+        if (
+            loss_agg_mode == "token-mean"
+            and agg.global_num_tokens is None
+            and agg.dp_size == 1
+            and self.bool_mask
+        ):
+            # aggregate's token mean, sharing the count of valid tokens with the metrics.
+            loss_mat = self.apply_is_weights(loss_mat)
+            return loss_mat.masked_fill(self._invalid, 0).sum() / self._count
         return aggregate(
-            self.apply_is_weights(loss_mat), self.valid, self.weights, loss_agg_mode, agg
+            self.apply_is_weights(loss_mat),
+            self.valid,
+            None if self.bool_mask else self.weights,
+            loss_agg_mode,
+            agg,
         )
 
 
@@ -120,21 +164,24 @@ def prepare_policy_inputs(
     )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
     valid = valid_mask(response_mask)
-    old = torch.where(valid, old_log_prob.detach().to(dtype), 0)
-    logp = torch.where(valid, log_prob.to(dtype), 0)
-    adv = torch.where(valid, advantages.detach().to(dtype), 0)
+    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
+    invalid = ~valid
+    old = as_dtype(old_log_prob.detach(), dtype).masked_fill(invalid, 0)
+    logp = as_dtype(log_prob, dtype).masked_fill(invalid, 0)
+    adv = as_dtype(advantages.detach(), dtype).masked_fill(invalid, 0)
     isw = None
     if rollout_is_weights is not None:
         check_tensor("rollout_is_weights", rollout_is_weights, floating=True)
         check_same_shape("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
-        isw = torch.where(valid, rollout_is_weights.detach().to(dtype), 0)
+        isw = as_dtype(rollout_is_weights.detach(), dtype).masked_fill(invalid, 0)
     log_ratio = logp - old
     clamped_log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     clamped = log_ratio.detach().abs() > log_ratio_clamp
+    bool_mask = response_mask.dtype == torch.bool
     return PolicyInputs(
         valid=valid,
         mask=response_mask,
-        weights=torch.where(valid, response_mask.to(dtype), 0),
+        weights=valid.to(dtype) if bool_mask else response_mask.to(dtype).masked_fill(invalid, 0),
         old_log_prob=old,
         log_prob=logp,
         advantages=adv,
@@ -143,6 +190,8 @@ def prepare_policy_inputs(
         clamped_log_ratio=clamped_log_ratio,
         ratio=torch.exp(clamped_log_ratio),
         clamped=clamped,
+        bool_mask=bool_mask,
+        invalid=invalid,
     )
 
 
@@ -181,6 +230,7 @@ def policy_metrics(
     clipped_high: torch.Tensor | None = None,
     clipped_low: torch.Tensor | None = None,
     clipped_lower: torch.Tensor | None = None,
+    masked: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The metrics every policy loss returns, as detached 0-d tensors.
 
@@ -193,15 +243,46 @@ def policy_metrics(
     * ``ppo_kl``: masked mean of ``log π_old − log π`` (clamped, like verl).
     * ``log_ratio_clamped_frac``: fraction of valid tokens whose log-ratio
       exceeded ``±log_ratio_clamp``.
+
+    ``masked``: the three conditions are already False wherever the mask is 0
+    (conditions on the masked advantages' sign are).
     """
-    zero = inp.zero()
-    high = zero if clipped_high is None else inp.frac(clipped_high)
-    low = zero if clipped_low is None else inp.frac(clipped_low)
+    ppo_kl = inp.mean_of_masked(inp.clamped_log_ratio.detach().neg())
+    if (
+        masked
+        and inp.bool_mask
+        and clipped_high is not None
+        and clipped_low is not None
+        and clipped_lower is not None
+    ):
+        # Four exact counts of valid tokens in one reduction, one division.
+        conditions = torch.stack([clipped_high, clipped_low, clipped_lower, inp.clamped])
+        counts = torch.count_nonzero(conditions.reshape(4, -1), dim=1)
+        high, low, lower, clamped = (counts / inp._count).unbind()
+        return {
+            "pg_clipfrac": high + low,
+            "pg_clipfrac_high": high,
+            "pg_clipfrac_low": low,
+            "pg_clipfrac_lower": lower,
+            "ppo_kl": ppo_kl,
+            "log_ratio_clamped_frac": clamped,
+        }
+    frac = inp.mean_of_masked if masked else inp.mean
+    zero = inp.zero() if None in (clipped_high, clipped_low, clipped_lower) else None
+
+    def of(condition: torch.Tensor | None) -> torch.Tensor:
+        if condition is None:
+            assert zero is not None
+            return zero
+        return frac(condition).detach()
+
+    high, low = of(clipped_high), of(clipped_low)
+    # The clamped log-ratio is 0, and the clamp flag False, wherever the mask is 0.
     return {
-        "pg_clipfrac": (high + low).detach(),
+        "pg_clipfrac": high + low,
         "pg_clipfrac_high": high,
         "pg_clipfrac_low": low,
-        "pg_clipfrac_lower": zero if clipped_lower is None else inp.frac(clipped_lower),
-        "ppo_kl": inp.mean(-inp.clamped_log_ratio.detach()).detach(),
-        "log_ratio_clamped_frac": inp.frac(inp.clamped),
+        "pg_clipfrac_lower": of(clipped_lower),
+        "ppo_kl": ppo_kl,
+        "log_ratio_clamped_frac": inp.mean_of_masked(inp.clamped),
     }

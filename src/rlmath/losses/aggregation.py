@@ -55,6 +55,7 @@ import torch
 
 from rlmath._typing import Unpack
 from rlmath._validation import (
+    as_dtype,
     check_choice,
     check_finite_scalar,
     check_in_range,
@@ -181,6 +182,8 @@ class Aggregation(Mapping[str, Any]):
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Aggregation:
         """A checked :class:`Aggregation` from keyword arguments (unknown names raise)."""
+        if not kwargs:
+            return _LOCAL
         unknown = sorted(set(kwargs) - set(_FIELDS))
         if unknown:
             raise TypeError(
@@ -222,6 +225,10 @@ class Aggregation(Mapping[str, Any]):
         return tuple(k for k in _FIELDS if k == "dp_size" or getattr(self, k) is not None)
 
 
+#: The aggregation of a call without aggregation arguments: local counts, one rank.
+_LOCAL = Aggregation()
+
+
 def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:
     """num / den, and num·0 where den == 0 (num is 0 there when den counts num's terms).
 
@@ -237,6 +244,17 @@ def _divide(num: torch.Tensor, den: torch.Tensor | int | float) -> torch.Tensor:
         return out * poison
     den = float(den)  # numpy scalars
     return num / den if den > 0 else num * 0
+
+
+def _divide_local(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den for a count of this call's own weights (>= 0), and num (0 there) where den == 0."""
+    if den.dtype == torch.bool or not den.is_floating_point():
+        return num / den.clamp_min(1)  # an exact count of valid positions
+    return num / torch.where(den > 0, den, 1)
+
+
+def _scale(x: torch.Tensor, dp_size: int) -> torch.Tensor:
+    return x if dp_size == 1 else x * dp_size
 
 
 def agg_loss(
@@ -272,16 +290,22 @@ def agg_loss(
     if loss_mat.dim() == 0:
         raise ValueError("loss_mat must have at least one dimension (tokens), got a 0-d tensor")
     dtype = result_dtype(loss_mat)
-    valid = valid_mask(loss_mask)
+    if loss_mask.dtype == torch.bool:
+        return aggregate(as_dtype(loss_mat, dtype), loss_mask, None, loss_agg_mode, agg)
+    valid = loss_mask != 0
     return aggregate(
-        loss_mat.to(dtype), valid, torch.where(valid, loss_mask.to(dtype), 0), loss_agg_mode, agg
+        as_dtype(loss_mat, dtype),
+        valid,
+        torch.where(valid, loss_mask.to(dtype), 0),
+        loss_agg_mode,
+        agg,
     )
 
 
 def aggregate(
     loss_mat: torch.Tensor,
     valid: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     loss_agg_mode: str,
     agg: Aggregation,
 ) -> torch.Tensor:
@@ -291,14 +315,17 @@ def aggregate(
         loss_mat: ``(*, T)`` per-token losses in the result dtype (any value
             where ``valid`` is False: they are selected out).
         valid: ``(*, T)`` bool mask.
-        weight: ``(*, T)`` mask weights in the result dtype, 0 where not valid.
+        weight: ``(*, T)`` mask weights in the result dtype, 0 where not valid;
+            ``None``: 1 where ``valid`` (a bool mask).
         loss_agg_mode: a member of :data:`LOSS_AGG_MODES`.
         agg: the checked aggregation arguments.
     """
-    weighted = torch.where(valid, loss_mat, 0) * weight
+    weighted = loss_mat.masked_fill(~valid, 0)  # torch.where(valid, loss_mat, 0), cheaper
+    if weight is not None:
+        weighted = weighted * weight
     dp_size = agg.dp_size
     if loss_agg_mode == "token-sum":
-        return weighted.sum() * dp_size
+        return _scale(weighted.sum(), dp_size)
     if loss_agg_mode == "token-mean":
         tokens = agg.global_num_tokens
         if tokens is None:
@@ -307,9 +334,12 @@ def aggregate(
                     "global_num_tokens is required for loss_agg_mode 'token-mean' when "
                     f"dp_size > 1 (got dp_size={dp_size}); compute it with global_batch_info"
                 )
-            tokens = weight.sum()
-        return _divide(weighted.sum(), tokens) * dp_size
+            count = valid.sum() if weight is None else weight.sum()
+            return _divide_local(weighted.sum(), count)
+        return _scale(_divide(weighted.sum(), tokens), dp_size)
     if loss_agg_mode == "prompt-mean":
+        if weight is None:
+            weight = valid.to(loss_mat.dtype)
         return _prompt_mean(weighted, weight, agg)
     if loss_agg_mode == "seq-mean-token-sum-norm" and agg.norm_length is None:
         raise ValueError(
@@ -318,15 +348,19 @@ def aggregate(
             "verl's fallback to the padded width varies between micro-batches)"
         )
     seq_total = weighted.sum(dim=-1)
-    seq_tokens = weight.sum(dim=-1)
-    seq_valid = seq_tokens > 0
     if loss_agg_mode == "seq-mean-token-mean":
-        per_seq = seq_total / torch.where(seq_valid, seq_tokens, torch.ones_like(seq_tokens))
-    elif loss_agg_mode == "seq-mean-token-sum-norm":
-        assert agg.norm_length is not None
-        per_seq = seq_total / float(agg.norm_length)
+        seq_tokens = valid.sum(dim=-1) if weight is None else weight.sum(dim=-1)
+        seq_valid = seq_tokens > 0
+        per_seq = seq_total / _nonzero(seq_tokens, seq_valid)
     else:
+        # A row without weight sums to 0: it adds nothing to the total, only the count
+        # of sequences skips it.
+        seq_valid = valid.any(dim=-1) if weight is None else weight.sum(dim=-1) > 0
         per_seq = seq_total
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            assert agg.norm_length is not None
+            per_seq = seq_total / float(agg.norm_length)
+    total = per_seq.sum()
     seqs = agg.global_num_seqs
     if seqs is None:
         if dp_size > 1:
@@ -334,9 +368,15 @@ def aggregate(
                 f"global_num_seqs is required for loss_agg_mode {loss_agg_mode!r} when "
                 f"dp_size > 1 (got dp_size={dp_size}); compute it with global_batch_info"
             )
-        seqs = seq_valid.sum().to(weight.dtype)
-    total = torch.where(seq_valid, per_seq, 0).sum()
-    return _divide(total, seqs) * dp_size
+        return _divide_local(total, seq_valid.sum())
+    return _scale(_divide(total, seqs), dp_size)
+
+
+def _nonzero(count: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """``count`` with 1 where it is not positive (a divisor for rows without weight)."""
+    if not count.is_floating_point():
+        return count.clamp_min(1)  # an exact count: positive == (count >= 1)
+    return torch.where(positive, count, torch.ones_like(count))
 
 
 def _prompt_mean(weighted: torch.Tensor, weight: torch.Tensor, agg: Aggregation) -> torch.Tensor:

@@ -61,7 +61,8 @@ def compute_entropy_loss(
         logits, labels, temperature=temperature, ignore_index=_SKIP
     )
     dtype = result_dtype(logits)
-    loss = aggregate(
-        entropy, valid, torch.where(valid, response_mask.to(dtype), 0), loss_agg_mode, agg
-    )
+    weight = None
+    if response_mask.dtype != torch.bool:
+        weight = torch.where(valid, response_mask.to(dtype), 0)
+    loss = aggregate(entropy, valid, weight, loss_agg_mode, agg)
     return loss, {"entropy": loss.detach()}

@@ -96,15 +96,21 @@ def compute_policy_loss_vanilla(
         log_ratio_clamp=log_ratio_clamp,
     )  # fmt: skip
     ratio, adv = inp.ratio, inp.advantages
-    clipped_high, clipped_low = ppo_clip_regions(ratio, adv, low, high)
-    clipped = clipped_high | clipped_low
-    loss_mat = torch.where(clipped, -adv * ratio.clamp(1 - low, 1 + high), -adv * ratio)
+    r = ratio.detach()
+    negative = adv < 0
+    # ppo_clip_regions, sharing A < 0 with the dual clip.
+    clipped_high = (adv > 0) & (r > 1 + high)
+    clipped_low = negative & (r < 1 - low)
+    neg_adv = -adv
+    loss_mat = torch.where(
+        clipped_high | clipped_low, neg_adv * ratio.clamp(1 - low, 1 + high), neg_adv * ratio
+    )
     dual = None
     if clip_ratio_c is not None:
-        dual = (adv < 0) & (ratio.detach() > clip_ratio_c)
-        loss_mat = torch.where(dual, -adv * clip_ratio_c, loss_mat)
+        dual = negative & (r > clip_ratio_c)
+        loss_mat = torch.where(dual, neg_adv * clip_ratio_c, loss_mat)
     loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
     metrics = policy_metrics(
-        inp, clipped_high=clipped_high, clipped_low=clipped_low, clipped_lower=dual
+        inp, clipped_high=clipped_high, clipped_low=clipped_low, clipped_lower=dual, masked=True
     )
     return loss, metrics
