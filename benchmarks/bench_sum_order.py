@@ -39,22 +39,28 @@ def _row_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
     return x.nansum(-1, keepdim=True) if nan else x.sum(-1, keepdim=True)
 
 
+def _one_column(*sums: torch.Tensor) -> list[torch.Tensor]:
+    return [x[:, 0] for x in sums]
+
+
+PATCHES = {
+    "tile_sums": _row_sums,
+    "tile_count": lambda columns: 1 if columns else 0,
+    "fold_each": _one_column,
+}
+
+
 @contextlib.contextmanager
 def plain_row_sums() -> Iterator[None]:
     """Within the block, the passes sum each row in one reduction instead of tiles."""
-    saved = [m.tile_sums for m in MODULES]
-    saved_count = [getattr(m, "tile_count", None) for m in MODULES]
+    saved = [(m, name, getattr(m, name)) for m in MODULES for name in PATCHES if hasattr(m, name)]
     try:
-        for m in MODULES:
-            m.tile_sums = _row_sums  # type: ignore[attr-defined]
-            if hasattr(m, "tile_count"):
-                m.tile_count = lambda columns: 1 if columns else 0  # type: ignore[attr-defined]
+        for m, name, _ in saved:
+            setattr(m, name, PATCHES[name])
         yield
     finally:
-        for m, f, c in zip(MODULES, saved, saved_count, strict=True):
-            m.tile_sums = f  # type: ignore[attr-defined]
-            if c is not None:
-                m.tile_count = c  # type: ignore[attr-defined]
+        for m, name, f in saved:
+            setattr(m, name, f)
 
 
 def _cases(n: int, v: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
