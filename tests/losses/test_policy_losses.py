@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import rlmath.losses.registry as policy_loss_registry
 from rlmath import (
     clip_cov_selection,
     compute_policy_loss_cispo,
@@ -345,7 +346,10 @@ def test_kl_cov_ties_broken_by_generator():
     assert plain.flatten().tolist()[:2] == [True, True]  # ties by position without generator
 
 
-def test_register_policy_loss():
+def test_register_policy_loss(monkeypatch):
+    # A copy of the registry for this test: later tests see the library's losses only.
+    monkeypatch.setattr(policy_loss_registry, "_REGISTRY", dict(policy_loss_registry._REGISTRY))
+
     @register_policy_loss("test_only_loss")
     def my_loss(old_log_prob, log_prob, advantages, response_mask, **kw):
         return (log_prob * 0).sum(), {}
