@@ -13,8 +13,7 @@ and the reduction is :func:`rlmath.losses.aggregation.aggregate`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,21 +64,32 @@ class PolicyInputs:
     clamped: torch.Tensor
     bool_mask: bool = False
     invalid: torch.Tensor | None = None
+    # Values computed on first use and kept (a plain dict rather than
+    # ``functools.cached_property``, whose lock ``torch.compile`` cannot trace).
+    _cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
-    @cached_property
+    @property
     def _invalid(self) -> torch.Tensor:
-        return ~self.valid if self.invalid is None else self.invalid
+        if self.invalid is not None:
+            return self.invalid
+        if "invalid" not in self._cache:
+            self._cache["invalid"] = ~self.valid
+        return self._cache["invalid"]
 
     def zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
 
-    @cached_property
+    @property
     def _count(self) -> torch.Tensor:
         """``Σ w`` over every valid token, 1 where there is none: the denominator of a mean."""
-        if self.bool_mask:
-            return self.valid.sum().clamp_min(1).to(self.weights.dtype)  # an exact count
-        den = self.weights.sum()
-        return torch.where(den == 0, torch.ones_like(den), den)
+        if "count" not in self._cache:
+            if self.bool_mask:
+                count = self.valid.sum().clamp_min(1).to(self.weights.dtype)  # an exact count
+            else:
+                den = self.weights.sum()
+                count = torch.where(den == 0, torch.ones_like(den), den)
+            self._cache["count"] = count
+        return self._cache["count"]
 
     def mean(self, x: torch.Tensor, axis: int | None = None) -> torch.Tensor:
         """Weighted mean of ``x`` over the valid tokens (of each row with ``axis=-1``); 0 if none.
