@@ -19,7 +19,7 @@ DOCS_VENV ?= .venv-docs
 DOCS_PY := $(DOCS_VENV)/bin/python
 DOCS_STAMP := $(DOCS_VENV)/.rlmath-docs-installed
 
-.PHONY: demo test test-fast test-triton test-gpu-compile test-gpu-compile-oldest lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
+.PHONY: demo test test-integration test-all test-triton test-gpu-compile test-gpu-compile-oldest lint typecheck bench bench-gpu peers docs sdist test-torch-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,16 +31,21 @@ demo: $(STAMP)
 	$(VENV)/bin/rlmath demo $(ARGS)
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
-# `make test` runs every tier (what CI runs); `make test-fast` leaves out the
-# tests marked `integration` (several processes, subprocesses, torch.compile),
-# for quick local iteration (docs/development.md).
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+# Two tiers (docs/development.md): `make test` runs the fast one, every test not
+# marked `integration`; `make test-integration` the tests that start processes
+# (gloo ranks, torchrun, subprocesses) or compile; `make test-all` both. CI runs
+# `make test` and `make test-integration`.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+NO_TESTS = if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+test: $(STAMP)
+	$(PYTEST) -m "not integration" tests; rc=$$?; $(NO_TESTS)
+
+test-integration: $(STAMP)
+	$(PYTEST) -m integration tests; rc=$$?; $(NO_TESTS)
+
+test-all: $(STAMP)
+	$(PYTEST) tests; rc=$$?; $(NO_TESTS)
 
 # The Triton backend's kernels through Triton's interpreter, on CPU tensors, in
 # their own environment (.venv-triton: the same torch, plus triton; a large wheel,
