@@ -39,14 +39,9 @@ def _row_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
     return x.nansum(-1, keepdim=True) if nan else x.sum(-1, keepdim=True)
 
 
-def _one_column(*sums: torch.Tensor) -> list[torch.Tensor]:
-    return [x[:, 0] for x in sums]
-
-
 PATCHES = {
     "tile_sums": _row_sums,
     "tile_count": lambda columns: 1 if columns else 0,
-    "fold_each": _one_column,
 }
 
 

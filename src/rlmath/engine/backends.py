@@ -61,12 +61,13 @@ class Kernels:
     (same signature) as the rule that sizes the fused head's blocks for this
     backend's ``head_stats`` and ``head_grad``.
 
-    Sums over the vocabulary come back per 128-column tile (``(N, n)``, added
-    up by the engine in a fixed tree: :mod:`rlmath.engine.tree`) or already
-    added up (``(N,)``). A backend that returns tiles and gives ``logits_max``
-    (the rows' max alone) and ``logits_stats(..., shift=)`` (sums shifted by a
-    given max) is bitwise the same over a vocabulary split on the tile grid
-    as in one process.
+    Sums over the vocabulary come back added up per row (``(N,)``). A backend
+    that gives ``logits_max`` (the rows' max alone) also takes ``shift=`` (the
+    rows' global max) in ``logits_stats``, ``pi_squared_stats`` and
+    ``kl_stats`` and then returns its sums per 128-column tile (``(N, n)``),
+    which the engine adds across shards in the fixed tree of
+    :mod:`rlmath.engine.tree`: bitwise one process's result over a vocabulary
+    split on the tile grid.
     """
 
     logits_stats: Callable[..., Any]

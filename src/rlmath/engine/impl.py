@@ -30,7 +30,6 @@ from rlmath.engine.stats import (
     combine_shards,
     combine_tiles,
     finish_kl,
-    fold_tiles,
     global_max,
     grad_coefficients,
     tiles_in_tree_order,
@@ -221,9 +220,7 @@ def logits_forward(
                 *args, lab.local if lab is not None else None, temp, cfg.want_entropy, real,
                 cfg.chunk_size, cdt,
             )  # fmt: skip
-            s_row, t_row = fold_tiles(s, t)
-            assert s_row is not None
-            big, log_s, ent, z_all, held = combine_shards(m, s_row, t_row, z, owned, group, layout)
+            big, log_s, ent, z_all, held = combine_shards(m, s, t, z, owned, group, layout)
     lse = big + log_s
     if lab is not None:
         assert z_all is not None
@@ -552,6 +549,4 @@ def pi_squared(
         (s_all, u_all), _, _ = combine_tiles(m, [s, u], None, None, cfg.shard, group)
         return u_all / s_all.square()
     m, s, u = kernels.pi_squared_stats(logits, temp, real, cfg.chunk_size, cdt)  # type: ignore[misc]
-    s_row, u_row = fold_tiles(s, u)
-    assert s_row is not None and u_row is not None
-    return combine_pi_squared(m, s_row, u_row, group, layout)
+    return combine_pi_squared(m, s, u, group, layout)

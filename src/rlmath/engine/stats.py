@@ -19,7 +19,6 @@ import torch.distributed as dist
 from rlmath import _device
 from rlmath.engine import tree
 from rlmath.engine.config import VocabShard
-from rlmath.engine.execution import one_thread
 from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "combine_shards",
     "combine_tiles",
     "finish_kl",
-    "fold_tiles",
     "global_max",
     "grad_coefficients",
     "merge_tile_stats",
@@ -255,28 +253,6 @@ def _col(x: torch.Tensor | float) -> torch.Tensor | float:
 
 
 # ------------------------------------------------------------ the fixed tree over tiles
-
-
-def fold_tiles(*sums: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Each ``(N, n)`` per-tile sum added up in the fixed tree (``(N,)``); ``(N,)`` inputs pass.
-
-    A backend returns its sums either per 128-column tile (the pure-torch one;
-    :mod:`rlmath.engine.tree`) or already added up over its columns.
-    """
-    present = [x for x in sums if x is not None and x.dim() == 2]
-    if not present:
-        return list(sums)
-    with one_thread():
-        root = tree.fold(torch.stack(present, -1))
-    out: list[torch.Tensor | None] = []
-    k = 0
-    for x in sums:
-        if x is not None and x.dim() == 2:
-            out.append(root[:, k])
-            k += 1
-        else:
-            out.append(x)
-    return out
 
 
 def tiles_in_tree_order(shard: VocabShard, group: ProcessGroup | None) -> bool:

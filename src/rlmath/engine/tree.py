@@ -31,7 +31,6 @@ __all__ = [
     "TILE",
     "evaluate",
     "fold",
-    "fold_each",
     "fold_padded_",
     "level_counts",
     "local_nodes",
@@ -171,13 +170,6 @@ def fold(x: torch.Tensor) -> torch.Tensor:
     while x.shape[1] > 1:
         x = x[:, 0::2] + x[:, 1::2]
     return x[:, 0]
-
-
-def fold_each(*sums: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`fold` of each ``(c, n)`` per-tile sum, together: ``(c,)`` each."""
-    if len(sums) == 1:
-        return [fold(sums[0].unsqueeze(-1))[:, 0]]
-    return list(fold(torch.stack(sums, -1)).unbind(-1))
 
 
 def padded_width(n: int) -> int:
