@@ -79,17 +79,6 @@ def test_tree_sum_is_within_the_pairwise_bound_of_the_exact_sum(n):
     assert ((got - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 250, 1187])
-def test_in_place_fold_of_padded_tiles_equals_the_tree(n):
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(3, n, generator=g)
-    padded = torch.zeros(3, tree.padded_width(n))
-    padded[:, :n] = x
-    got = tree.fold_padded_(padded)
-    assert torch.equal(got, tree.fold(x.unsqueeze(-1))[:, 0])
-    assert torch.equal(torch.signbit(got), torch.signbit(tree.fold(x.unsqueeze(-1))[:, 0]))
-
-
 def test_tree_adds_every_tile_once():
     x = torch.arange(1, 12, dtype=torch.float64).reshape(1, 11, 1)
     assert tree.fold(x).item() == 66

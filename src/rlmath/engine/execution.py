@@ -18,16 +18,14 @@ as Windows where the OpenMP runtime cannot be looked up).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
 
-from rlmath._threads import limit_threads
 from rlmath.engine.workers import MAX_BLOCK_WORKERS, for_each_block, for_each_chunk, pass_workers
 
-__all__ = ["one_thread", "row_multiple", "run_blocks", "run_chunks"]
+__all__ = ["row_multiple", "run_blocks", "run_chunks"]
 
 W = TypeVar("W")
 
@@ -96,16 +94,3 @@ def row_multiple() -> int:
     thread keeps none of them idle.
     """
     return max(1, torch.get_num_threads())
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """The ops inside run on the calling thread alone (one intra-op thread).
-
-    For the few ops on per-row, per-tile statistics after a pass: too small to
-    gain from threads, and each op split over threads would be a parallel
-    region that waits for a busy core. The values do not change (these ops
-    do not depend on the thread count).
-    """
-    with limit_threads(1):
-        yield

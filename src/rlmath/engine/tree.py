@@ -31,11 +31,9 @@ __all__ = [
     "TILE",
     "evaluate",
     "fold",
-    "fold_padded_",
     "level_counts",
     "local_nodes",
     "node_plan",
-    "padded_width",
     "tile_sums",
 ]
 
@@ -169,25 +167,4 @@ def fold(x: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(c, width - n, k)], 1)
     while x.shape[1] > 1:
         x = x[:, 0::2] + x[:, 1::2]
-    return x[:, 0]
-
-
-def padded_width(n: int) -> int:
-    """The tile count ``n`` rounded up to a power of two (what :func:`fold_padded_` takes)."""
-    return 1 << (n - 1).bit_length() if n > 1 else n
-
-
-def fold_padded_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`fold` of ``(c, w)`` tile sums already padded with zeros to ``w = padded_width(n)``,
-    in place (``x`` is overwritten): ``(c,)``.
-
-    The same additions as :func:`fold`, written into the left half of each pair,
-    so the fold needs no memory beyond ``x``.
-    """
-    if x.shape[1] == 0:
-        return x.new_zeros(x.shape[0])
-    while x.shape[1] > 1:
-        left = x[:, 0::2]
-        left.add_(x[:, 1::2])
-        x = left
     return x[:, 0]

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from rlmath.engine.execution import one_thread, run_chunks
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
-from rlmath.engine.tree import fold_padded_, padded_width, tile_count, tile_sums
+from rlmath.engine.tree import fold, tile_count, tile_sums
 
 __all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_max", "logits_stats"]
 
@@ -130,25 +130,20 @@ def logits_stats(
 
     Returns:
         ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``; ``s``
-        and ``t`` ``(M,)``, each row's tiles added in the fixed tree, or with
-        ``shift`` per tile, ``(M, ceil(real / 128))``, for the engine to add
-        across shards.
+        and ``t`` ``(M,)``, each row's tiles added in the fixed tree within its
+        chunk, or with ``shift`` per tile, ``(M, ceil(real / 128))``, for the
+        engine to add across shards.
     """
     dev = logits.device
     src = RowSource(logits, real, row_index, narrow)
     M = src.num_rows
     per_tile = shift is not None
-    n = tile_count(real)
-    # Without shards, the tiles are held padded with zeros and folded in place.
-    width = n if per_tile else padded_width(n)
+    width = (tile_count(real),) if per_tile else ()
     m = torch.full((M,), float("-inf"), dtype=dtype, device=dev)
-    s = torch.zeros(M, width, dtype=dtype, device=dev)
-    t = torch.zeros(M, width, dtype=dtype, device=dev) if want_entropy else None
+    s = torch.zeros(M, *width, dtype=dtype, device=dev)
+    t = torch.zeros(M, *width, dtype=dtype, device=dev) if want_entropy else None
     z = torch.zeros(labels.shape, dtype=dtype, device=dev) if labels is not None else None
     if M == 0 or real == 0:
-        if not per_tile:
-            s = s.new_zeros(M)
-            t = s.new_zeros(M) if t is not None else None
         return m, s, t, z
     chunk = chunk or auto_chunk_size(real, M, device=dev)
     temp = TemperatureColumn(temperature, dtype, dev)
@@ -162,15 +157,14 @@ def logits_stats(
             entropy=want_entropy,
             shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
         )
-        m[a:b], s[a:b, :n] = cm, cs
+        if not per_tile:  # each row's tiles added up here: no per-tile arrays of all rows
+            sums = fold(torch.stack([cs, ct] if ct is not None else [cs], -1))
+            cs, ct = sums[:, 0], sums[:, 1] if ct is not None else None
+        m[a:b], s[a:b] = cm, cs
         if t is not None and ct is not None:
-            t[a:b, :n] = ct
+            t[a:b] = ct
 
     run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
-    if not per_tile:
-        with one_thread():
-            s = fold_padded_(s)
-            t = fold_padded_(t) if t is not None else None
     if labels is not None:
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)

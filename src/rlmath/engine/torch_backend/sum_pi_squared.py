@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from rlmath.engine.execution import one_thread, run_chunks
+from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.tree import fold_padded_, padded_width, tile_count, tile_sums
+from rlmath.engine.tree import fold, tile_count, tile_sums
 
 __all__ = ["pi_squared_stats"]
 
@@ -24,8 +24,8 @@ def pi_squared_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(m, s, u)``: ``m = max z``, ``s = Σ e^{z-m}``, ``u = Σ e^{2(z-m)}``, ``(N,)`` each.
 
-    ``Σ π² = u / s²``; the sums are taken per 128-column tile and the tiles
-    added in the fixed tree of :mod:`rlmath.engine.tree`; a row without a
+    ``Σ π² = u / s²``; the sums are taken per 128-column tile and each row's
+    tiles added in the fixed tree of :mod:`rlmath.engine.tree` within its chunk; a row without a
     finite logit gives ``m = -inf, s = u = 0``. ``shift``: ``(N,)`` the rows'
     max over the whole vocabulary, used instead of the max of the columns read
     here; ``s`` and ``u`` are then per tile, ``(N, n)``, for the engine to add
@@ -33,14 +33,13 @@ def pi_squared_stats(
     """
     dev = logits.device
     N = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
-    n = tile_count(real)
     per_tile = shift is not None
-    width = n if per_tile else padded_width(n)  # padded with zeros: folded in place
+    width = (tile_count(real),) if per_tile else ()
     m = torch.full((N,), float("-inf"), dtype=dtype, device=dev)
-    s = torch.zeros(N, width, dtype=dtype, device=dev)
-    u = torch.zeros(N, width, dtype=dtype, device=dev)
+    s = torch.zeros(N, *width, dtype=dtype, device=dev)
+    u = torch.zeros(N, *width, dtype=dtype, device=dev)
     if N == 0 or real == 0:
-        return (m, s, u) if per_tile else (m, s.new_zeros(N), u.new_zeros(N))
+        return m, s, u
     chunk = chunk or auto_chunk_size(real, N, device=dev)
     lay = RowBlocks(real_columns(logits, real))
     temp = TemperatureColumn(temperature, dtype, dev)
@@ -51,11 +50,12 @@ def pi_squared_stats(
         cm = scaled_max(src, t, dtype) if shift is None else shift[a:b].unsqueeze(-1)
         e = scaled_shift(src, t, torch.where(cm == float("-inf"), 0, cm), ws.get("y", b - a))
         e.exp_()
-        m[a:b], s[a:b, :n] = cm.squeeze(-1), tile_sums(e)
-        u[a:b, :n] = tile_sums(e.mul_(e))
+        cs = tile_sums(e)
+        cu = tile_sums(e.mul_(e))
+        if not per_tile:  # each row's tiles added up here
+            sums = fold(torch.stack([cs, cu], -1))
+            cs, cu = sums[:, 0], sums[:, 1]
+        m[a:b], s[a:b], u[a:b] = cm.squeeze(-1), cs, cu
 
     run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
-    if per_tile:
-        return m, s, u
-    with one_thread():
-        return m, fold_padded_(s), fold_padded_(u)
+    return m, s, u
