@@ -119,3 +119,44 @@ def test_matmul_pieces(length):
     assert len(pieces) == -(-length // MATMUL_PIECE_ROWS)
     assert all(b - a in (piece - 1, piece) for a, b in pieces)
     assert matmul_piece(length, "cuda") == length  # one piece per block on an accelerator
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("band_bytes", [1, 3 * 6 * 4 * 8])
+def test_half_precision_grad_hidden_does_not_depend_on_the_row_bands(
+    monkeypatch, dtype, band_bytes, matmul_library
+):
+    # On a CPU a half-precision grad_hidden sums in fp32 bands of rows, one band
+    # after another; bands of one block row each, or of a few, give the bits of
+    # one band of every row.
+    import rlmath.engine.torch_backend.head_backward as hb
+
+    def run():
+        hidden = make((37, 6), dtype, requires_grad=True)
+        weight = make((50, 6), dtype, seed=1, requires_grad=True)
+        labels = make_labels((37,), 50, ignore=[2])
+        lp, ent = log_probs_and_entropy_from_hidden(
+            hidden, weight, labels, chunk_size=8, vocab_chunk_size=16
+        )
+        torch.autograd.backward([lp, ent], [torch.ones(37), -torch.ones(37)])
+        return lp, ent, hidden.grad, weight.grad
+
+    want = run()
+    bands = []
+    monkeypatch.setattr(hb, "BAND_BYTES", band_bytes)
+    real_bands = hb._bands
+    monkeypatch.setattr(hb, "_bands", lambda *a: bands.append(real_bands(*a)) or bands[-1])
+    got = run()
+    assert len(bands) == 1 and len(bands[0]) > 1, bands
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_row_bands_cover_the_block_rows_in_order():
+    from rlmath.engine.torch_backend.head_backward import BAND_BYTES, _bands
+
+    rows = [(0, 5), (5, 10), (10, 13), (13, 20)]
+    assert _bands(rows, BAND_BYTES) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert _bands(rows, BAND_BYTES // 10) == [(0, 2), (2, 4)]
+    assert _bands(rows, 1) == [(0, 4)]
+    assert _bands([], 1) == []

@@ -179,8 +179,11 @@ def for_each_chunk(
         workers = 1
     if workers <= 1:
         buffers = scratch()
-        for a, b in ranges:
-            work(a, b, buffers)
+        try:
+            for a, b in ranges:
+                work(a, b, buffers)
+        finally:
+            _release(buffers)
         return
     todo = iter(ranges)
     lock = threading.Lock()
@@ -188,17 +191,20 @@ def for_each_chunk(
 
     def worker() -> None:
         buffers = scratch()
-        with limit_threads(1):
-            while not failed.is_set():
-                with lock:
-                    r = next(todo, None)
-                if r is None:
-                    return
-                try:
-                    work(r[0], r[1], buffers)
-                except BaseException:
-                    failed.set()
-                    raise
+        try:
+            with limit_threads(1):
+                while not failed.is_set():
+                    with lock:
+                        r = next(todo, None)
+                    if r is None:
+                        return
+                    try:
+                        work(r[0], r[1], buffers)
+                    except BaseException:
+                        failed.set()
+                        raise
+        finally:
+            _release(buffers)
 
     _share_out(worker, workers)
 
@@ -266,28 +272,41 @@ def for_each_block(
         return
     if workers <= 1:
         buffers = scratch()
-        for j in range(columns):
-            for i in range(rows):
-                work(i, j, buffers)
+        try:
+            for j in range(columns):
+                for i in range(rows):
+                    work(i, j, buffers)
+        finally:
+            _release(buffers)
         return
     grid = _BlockGrid(rows, columns, along_rows, along_columns)
 
     def worker() -> None:
         buffers = scratch()
         done: tuple[int, int] | None = None
-        with limit_threads(1):
-            while True:
-                block = grid.take(done)
-                if block is None:
-                    return
-                try:
-                    work(block[0], block[1], buffers)
-                except BaseException:
-                    grid.fail()
-                    raise
-                done = block
+        try:
+            with limit_threads(1):
+                while True:
+                    block = grid.take(done)
+                    if block is None:
+                        return
+                    try:
+                        work(block[0], block[1], buffers)
+                    except BaseException:
+                        grid.fail()
+                        raise
+                    done = block
+        finally:
+            _release(buffers)
 
     _share_out(worker, workers)
+
+
+def _release(buffers: object) -> None:
+    """Hand a worker's scratch on when its pass is over (``release()``, when it has one)."""
+    release = getattr(buffers, "release", None)
+    if release is not None:
+        release()
 
 
 class _BlockGrid:

@@ -18,9 +18,10 @@ the matmuls run in half precision (tensor cores), each product added to fp32
 accumulators (:func:`rlmath.engine.policy.half_matmuls_pay`). Either way
 ``grad_weight`` accumulates in one compute-dtype buffer of the weight's shape,
 rounded once at the end, as ``grad_hidden`` is per row (in a compute-dtype
-buffer of the chunk on an accelerator, of all rows on a CPU, where the blocks
-of a row do not run one after another; over all rows too when the engine sums
-it over a vocabulary-parallel group first).
+buffer of the chunk on an accelerator; on a CPU, where the blocks of a row do
+not run one after another, of a band of rows of at most :data:`BAND_BYTES`,
+the bands one after another; over all rows when the engine sums it over a
+vocabulary-parallel group first).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ import torch
 
 from rlmath.engine import policy
 from rlmath.engine.torch_backend import cpu_matmul
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, TileWorkspace
+from rlmath.engine.torch_backend.buffers import (
+    Temperature,
+    TemperatureColumn,
+    TileWorkspace,
+    return_free_memory,
+)
 from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
 from rlmath.engine.torch_backend.logits_backward import chunk_grad
 
@@ -89,12 +95,8 @@ def head_grad(
         grad_h = torch.empty(hidden.shape, dtype=cdt if full_h else hidden.dtype, device=dev)
         if not blocks.tile_spans:
             grad_h.zero_()
-        # A compute-dtype sum of every row on a CPU, where the blocks of a row
-        # do not run one after another (an accelerator sums a row span at a time).
         if grad_h.dtype == cdt:
             acc_h = grad_h
-        elif not blocks.row_major:
-            acc_h = torch.empty(hidden.shape, dtype=cdt, device=dev)
     # The first block row writes each weight-gradient tile, later ones accumulate:
     # no separate pass to zero V·H entries (padding rows and an empty input are zeroed).
     grad_w = None
@@ -110,11 +112,39 @@ def head_grad(
         blocks=blocks,
         coefficients=(lse.unsqueeze(-1), alpha, beta, w),
         temp=TemperatureColumn(temperature, cdt, dev),
-        out=_Gradients(grad_h, acc_h, grad_w, grad_b),
         lowp=lowp,
     )
-    blocks.run(one_block, along_rows=need_h, along_columns=need_w or need_b)
+    along_rows, along_columns = need_h, need_w or need_b
+    if grad_h is None or acc_h is not None or blocks.row_major:
+        blocks.run(
+            functools.partial(one_block, out=_Gradients(grad_h, acc_h, grad_w, grad_b)),
+            along_rows=along_rows,
+            along_columns=along_columns,
+        )
+    else:
+        # A CPU with a half-precision grad_hidden: the blocks of a row do not
+        # run one after another, so each row sums in a compute-dtype buffer,
+        # rounded into grad_hidden by the row's last block (an accelerator
+        # sums a row span at a time). Bands of rows run one after another,
+        # each with a buffer of its own rows only: the blocks still add in
+        # the same order (a tile's blocks in row order, a row's in tile
+        # order), so the results are those of one band of every row.
+        H = hidden.shape[1]
+        for i0, i1 in _bands(blocks.block_rows, H * torch.finfo(cdt).bits // 8):
+            r0, r1 = blocks.block_rows[i0][0], blocks.block_rows[i1 - 1][1]
+            acc = torch.empty((r1 - r0, H), dtype=cdt, device=dev)
+            out = _Gradients(grad_h, acc, grad_w, grad_b, acc_row0=r0)
+            blocks.run(
+                functools.partial(one_block, out=out),
+                band=(i0, i1),
+                along_rows=along_rows,
+                along_columns=along_columns,
+            )
+            del acc, out  # before the next band's, and before grad_weight is rounded
     if grad_w is not None and half_w:
+        # Rounding grad_weight is the pass's peak (the compute-dtype sum and its
+        # rounded copy at once): the workers' freed blocks go back to the OS first.
+        return_free_memory(dev)
         grad_w = grad_w.to(weight.dtype)
     if grad_b is not None and bias is not None and bias.dtype != cdt:
         grad_b = grad_b.to(bias.dtype)
@@ -133,6 +163,25 @@ class _Gradients(NamedTuple):
     acc_h: torch.Tensor | None
     grad_w: torch.Tensor | None
     grad_b: torch.Tensor | None
+    acc_row0: int = 0  # the row of grad_h that acc_h's first row sums
+
+
+#: The most bytes of the compute-dtype ``grad_hidden`` rows summed at once on a CPU.
+BAND_BYTES = 8 << 20
+
+
+def _bands(block_rows: list[tuple[int, int]], row_bytes: int) -> list[tuple[int, int]]:
+    """Runs ``(i0, i1)`` of consecutive block rows, each of at most :data:`BAND_BYTES`
+    of accumulator (at least one block row)."""
+    bands: list[tuple[int, int]] = []
+    i0 = 0
+    for i, (_, r1) in enumerate(block_rows):
+        if i > i0 and (r1 - block_rows[i0][0]) * row_bytes > BAND_BYTES:
+            bands.append((i0, i))
+            i0 = i
+    if block_rows:
+        bands.append((i0, len(block_rows)))
+    return bands
 
 
 def _block_grad(
@@ -186,7 +235,12 @@ def _block_grad(
     last = j == len(blocks.tile_spans) - 1
     acc = None
     if out.grad_h is not None:
-        acc = out.acc_h[r0:r1] if out.acc_h is not None else ws.scratch("gh32", (c, H), cdt)
+        a0 = out.acc_row0
+        acc = (
+            out.acc_h[r0 - a0 : r1 - a0]
+            if out.acc_h is not None
+            else ws.scratch("gh32", (c, H), cdt)
+        )
     if lowp:
         _lowp_matmuls(
             g,

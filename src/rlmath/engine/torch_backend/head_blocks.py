@@ -51,6 +51,12 @@ class BlockScratch:
         self.weight_tile: int | None = None  # the tile whose fp32 copy ws.scratch("w32") holds
         self.hidden_span: tuple[int, int] | None = None  # the rows ws.scratch("h_live") holds
 
+    def release(self) -> None:
+        """Hand the buffers to this thread's next pass."""
+        self.ws.release()
+        self.small.release()
+        self.weight_tile = self.hidden_span = None
+
     def begin_tile(self, v0: int, v1: int) -> None:
         """Shape the buffers for the tile ``[v0, v1)``."""
         self.ws.width = self.small.width = v1 - v0
@@ -134,18 +140,21 @@ class HeadBlocks:
         *,
         along_rows: bool,
         along_columns: bool,
+        band: tuple[int, int] | None = None,
     ) -> None:
-        """``work(i, j, scratch)`` for block rows ``block_rows[i]`` × tile ``tile_spans[j]``, all blocks.
+        """``work(i, j, scratch)`` for block rows ``block_rows[i]`` × tile ``tile_spans[j]``.
 
-        ``along_rows``: the blocks of a row run in tile order (they add into
-        that row's outputs); ``along_columns``: the blocks of a tile run in row
-        order. On an accelerator every block runs in order, row by row, with
-        one scratch, so per-row buffers can be reused.
+        Every block, or with ``band = (i0, i1)`` the blocks of block rows
+        ``i0 <= i < i1``. ``along_rows``: the blocks of a row run in tile order
+        (they add into that row's outputs); ``along_columns``: the blocks of a
+        tile run in row order. On an accelerator every block runs in order, row
+        by row, with one scratch, so per-row buffers can be reused.
         """
+        i0, i1 = band if band is not None else (0, len(self.block_rows))
         run_blocks(
-            len(self.block_rows),
+            i1 - i0,
             len(self.tile_spans),
-            work,
+            work if i0 == 0 else lambda i, j, scratch: work(i0 + i, j, scratch),
             self.scratch,
             self.hidden.device,
             along_rows=along_rows,
