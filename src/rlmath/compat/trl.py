@@ -1,7 +1,8 @@
 """TRL's log-prob and entropy helpers and its GRPO ``loss_type`` family, computed by rlmath.
 
-* :func:`selective_log_softmax` and :func:`entropy_from_logits` have the
-  signatures of ``trl.trainer.utils`` (TRL 0.24). Unlike TRL they return
+* :func:`selective_log_softmax`, :func:`entropy_from_logits` and
+  :func:`selective_log_softmax_and_entropy` have the signatures of the newest
+  ``trl.trainer.utils`` (1.16; 0.24's are a prefix of them). Unlike TRL they return
   **fp32 for fp16/bf16 logits** (fp64 for fp64): rlmath upcasts one chunk at
   a time, never the whole ``[N, V]`` tensor, and its bf16 results are exact
   to fp32 rounding (TRL's bf16 ``log_softmax`` is off by ~5e-2). fp32 and
@@ -11,7 +12,11 @@
   ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), with
   TRL's argument names, mapped onto rlmath's losses and aggregation modes.
 
-Nothing here imports TRL.
+* :func:`install` / :func:`uninstall` put them (and, on TRL 1.16, rlmath's
+  fused LM head and :func:`grpo_loss`) into a running TRL: the one-line
+  switch of ``docs/migration.md``.
+
+Nothing here imports TRL, except :func:`install`.
 """
 
 from __future__ import annotations
