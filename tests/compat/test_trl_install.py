@@ -164,8 +164,69 @@ def test_unrecognised_structure_raises_and_patches_nothing(monkeypatch):
     assert not ct.is_installed() and utils.entropy_from_logits is _stock_entropy
 
 
+def _fake_fused_trl(monkeypatch):
+    def stock_add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False,
+                                outputs=("log_probs",)):  # fmt: skip
+        return None
+
+    class GRPOTrainer:
+        def _compute_loss(self, model, inputs):
+            return "stock"
+
+        def _get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+            compute_entropy=False, compute_aux_loss=False, pixel_values=None,
+        ):  # fmt: skip
+            return None
+
+        get_off_policy_mask = get_high_entropy_mask = _compute_loss
+
+    utils, _ = _fake_trl(
+        monkeypatch,
+        selective_log_softmax=_stock_selective,
+        add_fused_lm_head=stock_add_fused_lm_head,
+    )
+    grpo = types.ModuleType("trl.trainer.grpo_trainer")
+    grpo.GRPOTrainer = GRPOTrainer  # type: ignore[attr-defined]
+    grpo.add_fused_lm_head = stock_add_fused_lm_head  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "trl.trainer.grpo_trainer", grpo)
+    return utils, grpo, stock_add_fused_lm_head
+
+
+def test_fused_structure_loss_patch_only_on_verified_releases(monkeypatch):
+    utils, grpo, stock_head = _fake_fused_trl(monkeypatch)
+    stock_loss = grpo.GRPOTrainer._compute_loss
+    try:
+        monkeypatch.setattr(inst, "_trl_version", lambda: "1.16.0")
+        replaced = ct.install()
+        assert grpo.GRPOTrainer._compute_loss is inst._compute_loss
+        assert grpo.add_fused_lm_head is inst._add_fused_lm_head
+        assert utils.add_fused_lm_head is inst._add_fused_lm_head
+        assert replaced["trl.trainer.grpo_trainer.GRPOTrainer._compute_loss"] is stock_loss
+        with pytest.raises(ValueError, match="another `loss`"):
+            ct.install(loss=False)
+        ct.uninstall()
+        assert grpo.GRPOTrainer._compute_loss is stock_loss and grpo.add_fused_lm_head is stock_head
+
+        monkeypatch.setattr(inst, "_trl_version", lambda: "9.0.0")  # a release not verified
+        with pytest.warns(UserWarning, match="TRL's loss is kept"):
+            ct.install()
+        assert grpo.GRPOTrainer._compute_loss is stock_loss
+        assert grpo.add_fused_lm_head is inst._add_fused_lm_head  # the head is still rlmath's
+        ct.uninstall()
+        with pytest.warns(UserWarning, match="replaced as asked"):
+            ct.install(loss=True)
+        assert grpo.GRPOTrainer._compute_loss is inst._compute_loss
+        ct.uninstall()
+        ct.install(loss=False)
+        assert grpo.GRPOTrainer._compute_loss is stock_loss
+    finally:
+        ct.uninstall()
+    assert grpo.GRPOTrainer._compute_loss is stock_loss and utils.add_fused_lm_head is stock_head
+
+
 # ---------------------------------------------------------------------------
-# The fused head that install() gives TRL 1.16's trainers, on a tiny Qwen2.
+# The fused head that install() gives TRL 1.15/1.16's trainers, on a tiny Qwen2.
 
 
 def _tiny_qwen2():

@@ -2,13 +2,13 @@
 
 TRL has had two structures that matter here:
 
-* **function imports** (TRL 0.24 to 1.15): the trainers compute log-probs and
+* **function imports** (TRL 0.24 to 1.14): the trainers compute log-probs and
   entropies from dense logits with ``trl.trainer.utils.selective_log_softmax``,
-  ``entropy_from_logits`` and (from 1.14) ``selective_log_softmax_and_entropy``,
+  ``entropy_from_logits`` and (1.14) ``selective_log_softmax_and_entropy``,
   each trainer module holding its own binding (``from .utils import ...``).
   ``install()`` replaces the attribute in ``trl.trainer.utils`` and in every
   loaded ``trl.*`` module bound to TRL's function.
-* **a fused LM head** (TRL 1.16): the trainers call
+* **a fused LM head** (TRL 1.15, 1.16): the trainers call
   ``add_fused_lm_head(model, ...)`` at construction, which replaces
   ``model.forward`` so that ``model(..., labels=, fused_lm_head=True)`` returns
   per-token log-probs and entropies without the logits (TRL's own chunked
@@ -32,6 +32,7 @@ import inspect
 import math
 import sys
 import types
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import ModuleType
@@ -39,9 +40,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-#: TRL versions whose structure ``install()`` was tested on (0.24.0 and 1.16.0);
-#: the versions between are recognised by structure (see the module docstring).
+#: TRL versions ``install()`` was tested on (0.24.0 and 1.16.0); the versions
+#: between are recognised by structure (see the module docstring).
 TESTED_TRL_VERSIONS = ("0.24.0", "1.16.0")
+
+#: TRL releases whose ``GRPOTrainer._compute_loss`` (and its metrics) the
+#: replacement was written against (1.15's is the same as 1.16's).
+_LOSS_VERSIONS = ("1.15.", "1.16.")
 
 _FUNCTIONS = ("selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy")
 _EXTRA_SCALES = ("logits_scaling", "lm_head_multiplier", "output_multiplier")
@@ -97,16 +102,16 @@ def _set(label: str, target: Any, key: str, value: Any) -> None:
 def install(*, loss: bool | None = None) -> dict[str, Any]:
     """Make TRL's trainers compute log-probs, entropies and the GRPO loss with rlmath.
 
-    **Call it first**, before constructing a trainer (TRL 1.16 installs its
+    **Call it first**, before constructing a trainer (TRL >= 1.15 installs its
     fused head on the model in the trainer's ``__init__``) and before your own
     ``from trl.trainer.utils import selective_log_softmax``.
 
-    * TRL 0.24 to 1.15: ``selective_log_softmax``, ``entropy_from_logits`` and
+    * TRL 0.24 to 1.14: ``selective_log_softmax``, ``entropy_from_logits`` and
       ``selective_log_softmax_and_entropy`` (where TRL has them) are replaced
       by rlmath.compat.trl's in ``trl.trainer.utils`` and in every loaded
       ``trl.*`` module that bound TRL's function (every trainer), so all
       trainers (GRPO, RLOO, DPO, KTO, SFT, ...) use them. The loss stays TRL's.
-    * TRL 1.16: ``add_fused_lm_head`` is replaced in the same places by one
+    * TRL 1.15, 1.16: ``add_fused_lm_head`` is replaced in the same places by one
       whose ``fused_lm_head=True`` forward computes log-probs and entropies
       with :class:`rlmath.FusedLMHeadLogProbs` (fp32 per chunk, the same
       outputs, ``loss`` and ``label_mask`` as TRL's). It hands over to TRL's
@@ -125,8 +130,11 @@ def install(*, loss: bool | None = None) -> dict[str, Any]:
 
     Args:
         loss: patch ``GRPOTrainer._compute_loss``. ``None`` (default): where the
-            installed TRL has the fused-head structure; ``True``: require it
-            (a ``RuntimeError`` otherwise); ``False``: never.
+            installed TRL has the fused-head structure and is a release the
+            replacement was written against (1.15, 1.16; a newer one keeps
+            TRL's loss, with a warning); ``True``: require the structure (a
+            ``RuntimeError`` otherwise; a warning on an unverified release);
+            ``False``: never.
 
     Idempotent. Returns ``{qualified name: TRL's original}`` for everything
     replaced; :func:`uninstall` restores each exactly.
@@ -158,11 +166,19 @@ def install(*, loss: bool | None = None) -> dict[str, Any]:
             "trl.trainer.utils.selective_log_softmax nor add_fused_lm_head; this structure is not "
             "recognised (tested: " + ", ".join(TESTED_TRL_VERSIONS) + "). Nothing was patched."
         )
-    patch_loss = fused is not None if loss is None else bool(loss)
+    verified = version.startswith(_LOSS_VERSIONS)
+    patch_loss = fused is not None and verified if loss is None else bool(loss)
+    if fused is not None and loss is not False and not verified:
+        warnings.warn(
+            f"rlmath.compat.trl.install(): GRPOTrainer._compute_loss of TRL {version} was not "
+            "verified (written against TRL 1.15 and 1.16); "
+            + ("it is replaced as asked (loss=True)" if loss else "TRL's loss is kept"),
+            stacklevel=2,
+        )
     if patch_loss and (fused is None or not _loss_patchable(trainer)):
         raise RuntimeError(
             f"rlmath.compat.trl.install(loss=True): GRPOTrainer._compute_loss of TRL {version} "
-            "does not have the structure rlmath replaces (TRL 1.16's fused-head trainer). "
+            "does not have the structure rlmath replaces (the fused-head trainer of TRL >= 1.15). "
             "Nothing was patched; use install(loss=False)."
         )
 
@@ -202,7 +218,7 @@ def uninstall() -> None:
 
 
 # ---------------------------------------------------------------------------
-# TRL 1.16: the fused LM head.
+# TRL 1.15, 1.16: the fused LM head.
 
 
 @dataclass
@@ -313,7 +329,7 @@ def _add_fused_lm_head(
 
 
 # ---------------------------------------------------------------------------
-# TRL 1.16: GRPOTrainer's loss.
+# TRL 1.15, 1.16: GRPOTrainer's loss.
 
 _NEEDED = ("_get_per_token_logps_and_entropies", "get_off_policy_mask", "get_high_entropy_mask")
 

@@ -12,7 +12,7 @@
   ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), with
   TRL's argument names, mapped onto rlmath's losses and aggregation modes.
 
-* :func:`install` / :func:`uninstall` put them (and, on TRL 1.16, rlmath's
+* :func:`install` / :func:`uninstall` put them (and, on TRL 1.15/1.16, rlmath's
   fused LM head and :func:`grpo_loss`) into a running TRL: the one-line
   switch of ``docs/migration.md``.
 
