@@ -42,8 +42,12 @@ pytest.importorskip("tokenizers", reason="the test builds a tokenizer with token
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TRL = int(trl.__version__.split(".")[0]) >= 1
 RUNS = ["grpo", "dapo", "dr_grpo", "bnpo", "grpo:beta=0.04"]
-if NEW_TRL:
-    RUNS += ["cispo:epsilon_high=5.0", "sapo", "grpo:importance_sampling_level=sequence"]
+if NEW_TRL:  # the loss is rlmath's there: every loss type, and the masks folded into it
+    RUNS += [
+        "cispo:epsilon_high=5.0", "sapo", "luspo:importance_sampling_level=sequence", "vespo",
+        "grpo:importance_sampling_level=sequence", "grpo:beta=0.04,use_bias_correction_kl=false",
+        "grpo:top_entropy_quantile=0.5", "dapo:off_policy_mask_threshold=0.02",
+    ]  # fmt: skip
 
 ULP = 2.0**-23
 RTOL = 2**8 * ULP

@@ -72,7 +72,10 @@ def _train(spec: str, tokenizer: Any, tmp: str) -> list[dict[str, Any]]:
     options: dict[str, Any] = {"epsilon": 0.2, "epsilon_high": 0.28}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[key] = value if key == "importance_sampling_level" else float(value)
+        if value in ("true", "false"):
+            options[key] = value == "true"
+        else:
+            options[key] = value if key == "importance_sampling_level" else float(value)
     # From a local directory: with beta > 0 TRL loads the reference model from the
     # policy's `name_or_path`.
     path = os.path.join(tmp, "model")
