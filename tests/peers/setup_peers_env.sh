@@ -2,7 +2,7 @@
 # Build a peers environment, every version pinned in tests/peers/constraints.txt:
 #   PEERS=peers (default): .venv-peers, torch 2.13.0 (CPU) + verl 0.9.1 + TRL 0.24.0 + rlmath
 #     (editable), with only the packages that `import verl.utils.torch_functional`,
-#     `import verl.trainer.ppo.core_algos` and `import trl.trainer.grpo_trainer` need;
+#     `import verl.trainer.ppo.core_algos` and TRL's GRPOTrainer need;
 #   PEERS=trl-new: .venv-peers-trl-new, the same torch + the newest TRL tested (no verl).
 # Never committed (.gitignore has `.venv-*/`). Usage, from the repository root:
 #   bash tests/peers/setup_peers_env.sh            # or VENV=/some/path bash ...
@@ -57,12 +57,14 @@ import os
 import torch
 
 assert torch.__version__.startswith("2.13.0"), torch.__version__
-import trl.trainer.grpo_trainer  # noqa: F401
 import trl.trainer.utils  # noqa: F401
 
 if os.environ["PEERS"] == "peers":
+    # (TRL 0.24's trainer modules need a transformers-5 shim to import: the tests apply it.)
     import verl.trainer.ppo.core_algos  # noqa: F401
     import verl.utils.torch_functional  # noqa: F401
+else:
+    import trl.trainer.grpo_trainer  # noqa: F401
 
 import rlmath  # noqa: F401
 
