@@ -126,10 +126,15 @@ test-torch-oldest:
 	$(OLDEST_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_OLDEST)')"
 	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
-# Differential tests against verl 0.9.1 and TRL 0.24, in their own environment.
+# Differential tests against verl 0.9.1 and TRL 0.24, in their own environment, then
+# the TRL tests against the newest TRL tested, in a second one (every peer version
+# is pinned in tests/peers/constraints.txt).
 peers:
 	test -x .venv-peers/bin/python || bash tests/peers/setup_peers_env.sh
 	.venv-peers/bin/python -m pytest -q -p no:cacheprovider tests/peers
+	test -x .venv-peers-trl-new/bin/python || PEERS=trl-new bash tests/peers/setup_peers_env.sh
+	.venv-peers-trl-new/bin/python -m pytest -q -p no:cacheprovider \
+		tests/peers/test_compat_trl.py tests/peers/test_compat_trl_install.py
 
 $(DOCS_STAMP): docs/requirements.txt
 	test -x $(DOCS_PY) || $(PYTHON) -m venv $(DOCS_VENV)

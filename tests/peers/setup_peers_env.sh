@@ -1,55 +1,72 @@
 #!/usr/bin/env bash
-# Build .venv-peers: torch 2.13.0 (CPU) + verl 0.9.1 + TRL 0.24.0 + rlmath (editable),
-# with only the packages that `import verl.utils.torch_functional`,
-# `import verl.trainer.ppo.core_algos` and `import trl.trainer.utils` need.
+# Build a peers environment, every version pinned in tests/peers/constraints.txt:
+#   PEERS=peers (default): .venv-peers, torch 2.13.0 (CPU) + verl 0.9.1 + TRL 0.24.0 + rlmath
+#     (editable), with only the packages that `import verl.utils.torch_functional`,
+#     `import verl.trainer.ppo.core_algos` and TRL's GRPOTrainer need;
+#   PEERS=trl-new: .venv-peers-trl-new, the same torch + the newest TRL tested (no verl).
 # Never committed (.gitignore has `.venv-*/`). Usage, from the repository root:
 #   bash tests/peers/setup_peers_env.sh            # or VENV=/some/path bash ...
+#   PEERS=trl-new bash tests/peers/setup_peers_env.sh
 #   .venv-peers/bin/python -m pytest -q tests/peers
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="${VENV:-$ROOT/.venv-peers}"
+PEERS="${PEERS:-peers}"
+case "$PEERS" in
+  peers) DROP="# trl-new" ;;
+  trl-new) DROP="# peers" ;;
+  *) echo "PEERS must be 'peers' or 'trl-new', got '$PEERS'" >&2; exit 2 ;;
+esac
+if [ "$PEERS" = peers ]; then DEFAULT_VENV="$ROOT/.venv-peers"; else DEFAULT_VENV="$ROOT/.venv-peers-trl-new"; fi
+VENV="${VENV:-$DEFAULT_VENV}"
 PY="$VENV/bin/python"
 
 test -x "$PY" || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip
 
-# 1. torch first, pinned, and a constraints file so no later step can replace it
-#    (a bare `torch` requirement would pull the multi-GB CUDA build).
-"$PY" -m pip install -q torch==2.13.0
+# 1. The constraints of this environment (every pin applies to every later step, so no
+#    step can replace torch: a bare `torch` requirement would pull the multi-GB CUDA build).
 CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0" >"$CONSTRAINTS"
+grep -v -- "$DROP" "$ROOT/tests/peers/constraints.txt" | sed 's/[[:space:]]*#.*$//' | grep . >"$CONSTRAINTS"
 PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
+"${PIP[@]}" torch
 
-# 2. verl 0.9.1 without its (huge) dependency list, then what its math modules import:
-#    verl/__init__ -> verl.protocol -> ray, tensordict, numpy, packaging;
-#    torch_functional -> transformers; core_algos -> omegaconf; verl.utils -> codetiming.
-#    Versions satisfy verl's metadata (tensordict>=0.8,<=0.10,!=0.9.0; transformers>=5.5.3,<5.11).
-"${PIP[@]}" --no-deps verl==0.9.1
-"${PIP[@]}" packaging "numpy>=2.0.0" "ray>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
-  "transformers>=5.5.3,<5.11,!=5.6.0" omegaconf codetiming
+if [ "$PEERS" = peers ]; then
+  # 2. verl without its (huge) dependency list, then what its math modules import:
+  #    verl/__init__ -> verl.protocol -> ray, tensordict, numpy, packaging;
+  #    torch_functional -> transformers; core_algos -> omegaconf; verl.utils -> codetiming.
+  "${PIP[@]}" --no-deps verl
+  "${PIP[@]}" packaging numpy ray tensordict transformers omegaconf codetiming
+fi
 
-# 3. TRL 0.24.0 without deps; trl.trainer.utils imports accelerate and pandas, and
-#    trl.trainer.grpo_trainer (the GRPO algorithm comparisons) imports datasets.
-"${PIP[@]}" --no-deps trl==0.24.0
-"${PIP[@]}" "accelerate>=1.4.0" pandas datasets
+# 3. TRL without deps; trl.trainer.utils imports accelerate and pandas, and
+#    trl.trainer.grpo_trainer imports datasets (and, through transformers, tokenizers).
+"${PIP[@]}" --no-deps trl
+"${PIP[@]}" transformers tokenizers accelerate pandas datasets
 
 # 4. rlmath itself (editable) and the test tools; `parameterized` is what TRL's own tests
 #    (copied in tests/peers/trl_0_24_0/) use.
 "${PIP[@]}" --no-deps -e "$ROOT"
-"${PIP[@]}" "pytest>=7" "hypothesis>=6.80" numpy parameterized
+"${PIP[@]}" pytest hypothesis numpy parameterized
 
 # 5. Check: torch is still the pinned CPU build and every peer imports.
-"$PY" - <<'PY'
+PEERS="$PEERS" "$PY" - <<'PY'
+import os
+
 import torch
 
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 import trl.trainer.utils  # noqa: F401
-import verl.trainer.ppo.core_algos  # noqa: F401
-import verl.utils.torch_functional  # noqa: F401
+
+if os.environ["PEERS"] == "peers":
+    # (TRL 0.24's trainer modules need a transformers-5 shim to import: the tests apply it.)
+    import verl.trainer.ppo.core_algos  # noqa: F401
+    import verl.utils.torch_functional  # noqa: F401
+else:
+    import trl.trainer.grpo_trainer  # noqa: F401
 
 import rlmath  # noqa: F401
 
-print("peers env ready: torch", torch.__version__)
+print("peers env ready: torch", torch.__version__, "trl", trl.__version__)
 PY

@@ -23,9 +23,15 @@ def _params(fn):
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
-@pytest.mark.parametrize("name", ["selective_log_softmax", "entropy_from_logits"])
+@pytest.mark.parametrize(
+    "name", ["selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy"]
+)
 def test_signatures_are_trls(name):
-    assert _params(getattr(ct, name)) == _params(getattr(trl_utils, name))
+    # rlmath's functions take the newest TRL's arguments; an older TRL's are a prefix of them.
+    if not hasattr(trl_utils, name):
+        pytest.skip(f"this TRL has no {name}")
+    theirs = _params(getattr(trl_utils, name))
+    assert _params(getattr(ct, name))[: len(theirs)] == theirs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -1,7 +1,8 @@
 """TRL's log-prob and entropy helpers and its GRPO ``loss_type`` family, computed by rlmath.
 
-* :func:`selective_log_softmax` and :func:`entropy_from_logits` have the
-  signatures of ``trl.trainer.utils`` (TRL 0.24). Unlike TRL they return
+* :func:`selective_log_softmax`, :func:`entropy_from_logits` and
+  :func:`selective_log_softmax_and_entropy` have the signatures of the newest
+  ``trl.trainer.utils`` (1.16; 0.24's are a prefix of them). Unlike TRL they return
   **fp32 for fp16/bf16 logits** (fp64 for fp64): rlmath upcasts one chunk at
   a time, never the whole ``[N, V]`` tensor, and its bf16 results are exact
   to fp32 rounding (TRL's bf16 ``log_softmax`` is off by ~5e-2). fp32 and
@@ -11,7 +12,11 @@
   ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), with
   TRL's argument names, mapped onto rlmath's losses and aggregation modes.
 
-Nothing here imports TRL.
+* :func:`install` / :func:`uninstall` put them (and, on TRL 1.15/1.16, rlmath's
+  fused LM head and :func:`grpo_loss`) into a running TRL: the one-line
+  switch of ``docs/migration.md``.
+
+Nothing here imports TRL, except :func:`install`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,19 @@ import torch
 
 import rlmath
 from rlmath._validation import check_choice, check_in_range, check_mask, check_tensor
+from rlmath.compat._trl_install import TESTED_TRL_VERSIONS, install, is_installed, uninstall
 
-__all__ = ["TRL_LOSS_TYPES", "entropy_from_logits", "grpo_loss", "selective_log_softmax"]
+__all__ = [
+    "TESTED_TRL_VERSIONS",
+    "TRL_LOSS_TYPES",
+    "entropy_from_logits",
+    "grpo_loss",
+    "install",
+    "is_installed",
+    "selective_log_softmax",
+    "selective_log_softmax_and_entropy",
+    "uninstall",
+]
 
 #: Every ``loss_type`` of TRL's ``GRPOConfig`` that :func:`grpo_loss` accepts.
 TRL_LOSS_TYPES: tuple[str, ...] = (
@@ -39,15 +55,51 @@ TRL_LOSS_TYPES: tuple[str, ...] = (
 
 _CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
+# The label given to positions ``row_mask`` skips (never a token id).
+_SKIP = -100
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)`` gathered at ``index``, in bounded memory (:func:`rlmath.log_probs_from_logits`).
 
-    Shapes: ``logits`` ``(..., V)``, ``index`` ``(...)`` integer. Result: the
-    shape of ``index``, fp32 (fp64 for fp64 logits) whatever the logits'
-    dtype; differentiable w.r.t. ``logits``.
+def _row_masked(index: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    if row_mask is None:
+        return index
+    check_tensor("row_mask", row_mask)
+    if row_mask.shape != index.shape:
+        raise ValueError(
+            f"row_mask must have the shape of index {tuple(index.shape)}, got {tuple(row_mask.shape)}"
+        )
+    # A skipped position carries the ignore label: rlmath returns 0 there and reads no logits.
+    return index.masked_fill(row_mask.to(index.device) == 0, _SKIP)
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, torch.Tensor) or not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature!r}")
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` gathered at ``index``, in bounded memory (:func:`rlmath.log_probs_from_logits`).
+
+    Shapes: ``logits`` ``(..., V)``; ``index`` ``(...)`` or ``(..., K)`` integer
+    (K log-probs per position, e.g. top-K); ``row_mask`` the shape of ``index``
+    (0 = skip: that entry is 0 and gets no gradient, and a position whose
+    entries are all skipped reads no logits). Result: the shape of ``index``,
+    fp32 (fp64 for fp64 logits) whatever the logits' dtype; differentiable
+    w.r.t. ``logits``. ``temperature`` and ``row_mask`` are TRL >= 1.14's
+    arguments (TRL 0.24 has ``(logits, index)``).
+
+    Raises:
+        ValueError: ``temperature <= 0``; ``row_mask`` not of ``index``'s shape.
     """
-    return rlmath.log_probs_from_logits(logits, index, ignore_index=None)
+    _check_temperature(temperature)
+    labels = _row_masked(index, row_mask)
+    return rlmath.log_probs_from_logits(
+        logits, labels, temperature=temperature, ignore_index=None if row_mask is None else _SKIP
+    )
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
@@ -58,6 +110,39 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     logits' dtype; differentiable, and finite for ``-inf`` logits.
     """
     return rlmath.entropy_from_logits(logits, chunk_size=chunk_size)
+
+
+def selective_log_softmax_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    entropy_requires_grad: bool = True,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL >= 1.14's one-pass log-probs and entropies (:func:`rlmath.log_probs_and_entropy_from_logits`).
+
+    Shapes: ``logits`` ``(..., V)``, ``index`` and ``row_mask`` ``(...)``.
+    Returns ``(log_probs, entropy)``, both of ``index``'s shape, fp32 (fp64
+    for fp64 logits), of ``softmax(logits / temperature)``; positions with
+    ``row_mask == 0`` are 0 in both and get no gradient.
+    ``entropy_requires_grad=False`` returns the entropy detached.
+
+    Raises:
+        ValueError: ``temperature <= 0``; ``index`` not of shape
+            ``logits.shape[:-1]``; ``row_mask`` not of ``index``'s shape.
+    """
+    _check_temperature(temperature)
+    check_tensor("logits", logits, floating=True)
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"index must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(index.shape)}"
+        )
+    labels = _row_masked(index, row_mask)
+    log_probs, entropy = rlmath.log_probs_and_entropy_from_logits(
+        logits, labels, temperature=temperature, ignore_index=_SKIP
+    )
+    return log_probs, entropy if entropy_requires_grad else entropy.detach()
 
 
 def _masked_row_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
