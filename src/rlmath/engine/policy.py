@@ -74,14 +74,17 @@ __all__ = [
     "CPU_CHUNK_BYTES",
     "DEFAULT_BLOCK_ELEMENTS",
     "DEFAULT_ROWS",
+    "FOLD_BYTES",
     "MATMUL_PIECE_ROWS",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
+    "MIN_FOLD_GROUPS",
     "TARGET_CHUNKS",
     "TILE_ALIGN",
     "auto_chunk_size",
     "auto_tile_sizes",
     "elementwise_rows",
+    "fold_groups",
     "half_matmuls_pay",
     "is_cpu",
     "matmul_piece",
@@ -116,6 +119,12 @@ ACCELERATOR_ROWS = 4096
 
 ACCELERATOR_BLOCK_ELEMENTS = 32 * 1024 * 1024
 """Target entries of one fused-head block on an accelerator (128 MiB in fp32)."""
+
+FOLD_BYTES = 512 * 1024
+"""Most bytes of per-tile sums a worker holds before adding each row's tiles up (see :func:`fold_groups`)."""
+
+MIN_FOLD_GROUPS = 16
+"""Fewest runs of chunks :func:`fold_groups` cuts a pass into, where it has that many chunks."""
 
 TILE_ALIGN = 128
 """A CPU vocabulary tile is a multiple of this many entries (when it is not the whole vocabulary)."""
@@ -331,3 +340,38 @@ def spans(total: int, step: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
+
+
+def fold_groups(
+    ranges: list[tuple[int, int]], tiles: int, sums: int
+) -> list[list[tuple[int, int]]]:
+    """Runs of consecutive chunk ranges whose rows add their tiles up together.
+
+    A pass keeps each row's ``sums`` sums per tile (``tiles`` of them) until the
+    row's tiles are added in the fixed tree (:func:`rlmath.engine.tree.fold`),
+    a dozen small ops whatever the number of rows: once per run of chunks of
+    at most :data:`FOLD_BYTES` of such sums rather than once per chunk. There
+    are at least :data:`MIN_FOLD_GROUPS` runs where the chunks allow, so the
+    worker pool still has work to share; the runs do not depend on the thread
+    count, nor does a row's result depend on the runs (the tree adds each row
+    on its own).
+
+    Args:
+        ranges: the ``(start, end)`` row ranges of the chunks, consecutive and in order.
+        tiles: tiles per row; sums: sums per tile.
+
+    Returns:
+        The ranges, cut into runs (at least one range each).
+    """
+    if not ranges:
+        return []
+    total = ranges[-1][1] - ranges[0][0]
+    cap = max(1, FOLD_BYTES // max(1, 4 * tiles * sums))
+    cap = min(cap, max(1, total // MIN_FOLD_GROUPS))
+    groups: list[list[tuple[int, int]]] = []
+    for a, b in ranges:
+        if groups and b - groups[-1][0][0] <= cap:
+            groups[-1].append((a, b))
+        else:
+            groups.append([(a, b)])
+    return groups

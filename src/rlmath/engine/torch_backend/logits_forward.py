@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine.execution import run_chunks
-from rlmath.engine.policy import auto_chunk_size
+from rlmath.engine.policy import auto_chunk_size, fold_groups
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
@@ -130,9 +130,10 @@ def logits_stats(
 
     Returns:
         ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``; ``s``
-        and ``t`` ``(M,)``, each row's tiles added in the fixed tree within its
-        chunk, or with ``shift`` per tile, ``(M, ceil(real / 128))``, for the
-        engine to add across shards.
+        and ``t`` ``(M,)``, each row's tiles added in the fixed tree once its run
+        of chunks is done (:func:`~rlmath.engine.policy.fold_groups`), or with
+        ``shift`` per tile, ``(M, ceil(real / 128))``, for the engine to add
+        across shards.
     """
     dev = logits.device
     src = RowSource(logits, real, row_index, narrow)
@@ -147,24 +148,41 @@ def logits_stats(
         return m, s, t, z
     chunk = chunk or auto_chunk_size(real, M, device=dev)
     temp = TemperatureColumn(temperature, dtype, dev)
-    ranges = list(src.ranges(chunk))
+    k = 2 if want_entropy else 1
+    groups = fold_groups(list(src.ranges(chunk)), tile_count(real), k)
 
-    def one_chunk(a: int, b: int, ws: Workspace) -> None:
-        cm, cs, ct = chunk_stats(
-            src.rows(a, b, ws),
-            ws,
-            temperature=temp.rows(a, b),
-            entropy=want_entropy,
-            shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+    def one_group(i: int, _: int, ws: Workspace) -> None:
+        g0, g1 = groups[i][0][0], groups[i][-1][1]
+        # Each row's tiles are added up once its run of chunks is done: no
+        # per-tile arrays of all rows, and the tree's ops once per run.
+        tiles = (
+            None if per_tile else torch.empty(g1 - g0, tile_count(real), k, dtype=dtype, device=dev)
         )
-        if not per_tile:  # each row's tiles added up here: no per-tile arrays of all rows
-            sums = fold(torch.stack([cs, ct] if ct is not None else [cs], -1))
-            cs, ct = sums[:, 0], sums[:, 1] if ct is not None else None
-        m[a:b], s[a:b] = cm, cs
-        if t is not None and ct is not None:
-            t[a:b] = ct
+        for a, b in groups[i]:
+            cm, cs, ct = chunk_stats(
+                src.rows(a, b, ws),
+                ws,
+                temperature=temp.rows(a, b),
+                entropy=want_entropy,
+                shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+            )
+            m[a:b] = cm
+            if tiles is None:
+                s[a:b] = cs
+                if t is not None and ct is not None:
+                    t[a:b] = ct
+            else:
+                tiles[a - g0 : b - g0, :, 0] = cs
+                if ct is not None:
+                    tiles[a - g0 : b - g0, :, 1] = ct
+        if tiles is not None:
+            sums = fold(tiles)
+            s[g0:g1] = sums[:, 0]
+            if t is not None:
+                t[g0:g1] = sums[:, 1]
 
-    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
+    runs = [(i, i + 1) for i in range(len(groups))]
+    run_chunks(runs, one_group, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
     if labels is not None:
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)

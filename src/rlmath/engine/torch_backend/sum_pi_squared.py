@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlmath.engine.execution import run_chunks
-from rlmath.engine.policy import auto_chunk_size
+from rlmath.engine.policy import auto_chunk_size, fold_groups
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
@@ -25,7 +25,7 @@ def pi_squared_stats(
     """``(m, s, u)``: ``m = max z``, ``s = Σ e^{z-m}``, ``u = Σ e^{2(z-m)}``, ``(N,)`` each.
 
     ``Σ π² = u / s²``; the sums are taken per 128-column tile and each row's
-    tiles added in the fixed tree of :mod:`rlmath.engine.tree` within its chunk; a row without a
+    tiles added in the fixed tree of :mod:`rlmath.engine.tree` (:func:`~rlmath.engine.policy.fold_groups`); a row without a
     finite logit gives ``m = -inf, s = u = 0``. ``shift``: ``(N,)`` the rows'
     max over the whole vocabulary, used instead of the max of the columns read
     here; ``s`` and ``u`` are then per tile, ``(N, n)``, for the engine to add
@@ -43,19 +43,28 @@ def pi_squared_stats(
     chunk = chunk or auto_chunk_size(real, N, device=dev)
     lay = RowBlocks(real_columns(logits, real))
     temp = TemperatureColumn(temperature, dtype, dev)
-    ranges = list(chunk_ranges(N, chunk, lay))
+    n = tile_count(real)
+    groups = fold_groups(list(chunk_ranges(N, chunk, lay)), n, 2)
 
-    def one_chunk(a: int, b: int, ws: Workspace) -> None:
-        src, t = lay.get(a, b), temp.rows(a, b)
-        cm = scaled_max(src, t, dtype) if shift is None else shift[a:b].unsqueeze(-1)
-        e = scaled_shift(src, t, torch.where(cm == float("-inf"), 0, cm), ws.get("y", b - a))
-        e.exp_()
-        cs = tile_sums(e)
-        cu = tile_sums(e.mul_(e))
-        if not per_tile:  # each row's tiles added up here
-            sums = fold(torch.stack([cs, cu], -1))
-            cs, cu = sums[:, 0], sums[:, 1]
-        m[a:b], s[a:b], u[a:b] = cm.squeeze(-1), cs, cu
+    def one_group(i: int, _: int, ws: Workspace) -> None:
+        g0, g1 = groups[i][0][0], groups[i][-1][1]
+        tiles = None if per_tile else torch.empty(g1 - g0, n, 2, dtype=dtype, device=dev)
+        for a, b in groups[i]:
+            src, t = lay.get(a, b), temp.rows(a, b)
+            cm = scaled_max(src, t, dtype) if shift is None else shift[a:b].unsqueeze(-1)
+            e = scaled_shift(src, t, torch.where(cm == float("-inf"), 0, cm), ws.get("y", b - a))
+            e.exp_()
+            cs = tile_sums(e)
+            cu = tile_sums(e.mul_(e))
+            m[a:b] = cm.squeeze(-1)
+            if tiles is None:
+                s[a:b], u[a:b] = cs, cu
+            else:
+                tiles[a - g0 : b - g0, :, 0], tiles[a - g0 : b - g0, :, 1] = cs, cu
+        if tiles is not None:  # each row's tiles added up once its run of chunks is done
+            sums = fold(tiles)
+            s[g0:g1], u[g0:g1] = sums[:, 0], sums[:, 1]
 
-    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
+    runs = [(i, i + 1) for i in range(len(groups))]
+    run_chunks(runs, one_group, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
     return m, s, u
