@@ -330,3 +330,19 @@ def test_reinforce_plus_plus_masked_insertions_change_nothing(seed, n_valid, ins
     atol = reordered_sum_atol(mask.shape[1] + 1, float(rewards.abs().sum()))
     torch.testing.assert_close(ret[mask], base[0], rtol=0, atol=atol)
     assert torch.all(ret[~mask] == 0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_passk", "gdpo"])
+def test_epsilon_zero_gives_zero_for_flat_groups_and_singletons(name):
+    # Scores 1, 1 | 0, 0.5 | 1 | 0.25: a flat group, a varied one, two singletons.
+    rewards = torch.zeros(6, 3)
+    rewards[:, -1] = torch.tensor([1.0, 1.0, 0.0, 0.5, 1.0, 0.25])
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    index = [0, 0, 1, 1, 2, 3]
+    fn = R.get_advantage_estimator(name)
+    adv, _ = fn(rewards, mask, index, epsilon=0.0)
+    assert torch.isfinite(adv).all(), adv
+    if name != "gdpo":  # gdpo whitens over the batch afterwards
+        flat = torch.tensor([True, True, False, False, True, True])
+        assert torch.equal(adv[flat], torch.zeros_like(adv[flat]))
+        assert (adv[~flat] != 0).any()

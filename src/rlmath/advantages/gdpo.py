@@ -94,7 +94,9 @@ def compute_gdpo_outcome_advantage(
         components = reward_components.to(device=x.scores.device, dtype=dtype)
     weights = _weights(reward_weights, components)
     m = group_moments(components, x.ids)
-    normalized = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
+    normalized = m.centered
+    if norm_adv_by_std_in_grpo:  # a flat group gives 0 for any epsilon, 0 included
+        normalized = torch.where(m.zero_std, 0, m.centered / (m.std + eps))
     combined = (normalized * weights).sum(-1)
     whitened = whiten_batch(combined, counts=valid_counts(x.valid), group=group)
     advantages = x.to_tokens(whitened)

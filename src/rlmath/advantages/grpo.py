@@ -55,7 +55,13 @@ def compute_grpo_outcome_advantage(
     x = outcome_inputs(token_level_rewards, response_mask, index)
     assert x.ids is not None
     m = group_moments(x.scores, x.ids)
-    scalar = m.centered / (m.std + eps) if norm_adv_by_std_in_grpo else m.centered
+    # A flat group (singletons too) has centered scores and std of exactly 0:
+    # its advantage is 0 for any epsilon, including 0 (not 0 / 0).
+    scalar = (
+        torch.where(m.zero_std, 0, m.centered / (m.std + eps))
+        if norm_adv_by_std_in_grpo
+        else m.centered
+    )
     advantages = x.to_tokens(scalar)
     return advantages, advantages
 
@@ -96,6 +102,6 @@ def compute_grpo_passk_outcome_advantage(
     runner_up = to_samples(segment_reduce(torch.where(is_top, -torch.inf, s), ids, "amax"), ids)
     unique_top = is_top & (n_top == 1) & ~m.zero_std
     gap = torch.where(unique_top, top - runner_up, 0)
-    scalar = gap / (m.std + eps) if norm_adv_by_std_in_grpo else gap
+    scalar = torch.where(m.zero_std, 0, gap / (m.std + eps)) if norm_adv_by_std_in_grpo else gap
     advantages = x.to_tokens(scalar)
     return advantages, advantages
