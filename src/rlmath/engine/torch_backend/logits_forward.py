@@ -18,7 +18,7 @@ import torch
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size, fold_groups
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
-from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
+from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift, upcast, upcasts_first
 from rlmath.engine.torch_backend.rows import RowSource
 from rlmath.engine.tree import fold, tile_count, tile_sums
 
@@ -53,8 +53,11 @@ def chunk_stats(
             of the vocabulary) instead of this chunk's own.
     """
     c = src.shape[0]
+    y = ws.get("y", c)
+    if shift is None and upcasts_first(src, ws.dtype):
+        src = upcast(src, y)  # the max and the shift read the fp32 copy
     m = scaled_max(src, temperature, ws.dtype) if shift is None else shift
-    y = scaled_shift(src, temperature, m, ws.get("y", c))
+    y = scaled_shift(src, temperature, m, y)
     t: torch.Tensor | None = None
     if entropy:
         e = torch.exp(y, out=ws.get("e", c))
