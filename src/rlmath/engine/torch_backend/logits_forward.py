@@ -158,9 +158,7 @@ def logits_stats(
         g0, g1 = groups[i][0][0], groups[i][-1][1]
         # Each row's tiles are added up once its run of chunks is done: no
         # per-tile arrays of all rows, and the tree's ops once per run.
-        tiles = (
-            None if per_tile else torch.empty(g1 - g0, tile_count(real), k, dtype=dtype, device=dev)
-        )
+        tiles: torch.Tensor | None = None
         for a, b in groups[i]:
             cm, cs, ct = chunk_stats(
                 src.rows(a, b, ws),
@@ -170,14 +168,16 @@ def logits_stats(
                 shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
             )
             m[a:b] = cm
-            if tiles is None:
+            if per_tile:
                 s[a:b] = cs
                 if t is not None and ct is not None:
                     t[a:b] = ct
-            else:
-                tiles[a - g0 : b - g0, :, 0] = cs
-                if ct is not None:
-                    tiles[a - g0 : b - g0, :, 1] = ct
+                continue
+            if tiles is None:
+                tiles = torch.empty(g1 - g0, cs.shape[1], k, dtype=dtype, device=dev)
+            tiles[a - g0 : b - g0, :, 0] = cs
+            if ct is not None:
+                tiles[a - g0 : b - g0, :, 1] = ct
         if tiles is not None:
             sums = fold(tiles)
             s[g0:g1] = sums[:, 0]

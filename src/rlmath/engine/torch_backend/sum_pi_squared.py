@@ -48,7 +48,7 @@ def pi_squared_stats(
 
     def one_group(i: int, _: int, ws: Workspace) -> None:
         g0, g1 = groups[i][0][0], groups[i][-1][1]
-        tiles = None if per_tile else torch.empty(g1 - g0, n, 2, dtype=dtype, device=dev)
+        tiles: torch.Tensor | None = None
         for a, b in groups[i]:
             src, t = lay.get(a, b), temp.rows(a, b)
             cm = scaled_max(src, t, dtype) if shift is None else shift[a:b].unsqueeze(-1)
@@ -57,10 +57,12 @@ def pi_squared_stats(
             cs = tile_sums(e)
             cu = tile_sums(e.mul_(e))
             m[a:b] = cm.squeeze(-1)
-            if tiles is None:
+            if per_tile:
                 s[a:b], u[a:b] = cs, cu
-            else:
-                tiles[a - g0 : b - g0, :, 0], tiles[a - g0 : b - g0, :, 1] = cs, cu
+                continue
+            if tiles is None:
+                tiles = torch.empty(g1 - g0, cs.shape[1], 2, dtype=dtype, device=dev)
+            tiles[a - g0 : b - g0, :, 0], tiles[a - g0 : b - g0, :, 1] = cs, cu
         if tiles is not None:  # each row's tiles added up once its run of chunks is done
             sums = fold(tiles)
             s[g0:g1], u[g0:g1] = sums[:, 0], sums[:, 1]
