@@ -38,6 +38,12 @@ from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntro
 from rlmath.engine.groups import ProcessGroup, group_name, group_rank, group_size
 from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
+from rlmath.engine.truncation import (
+    SampledLogProbs,
+    Truncation,
+    check_truncation,
+    no_truncation_paths,
+)
 
 __all__ = [
     "check_response_length",
@@ -215,14 +221,32 @@ def log_probs_entropy(
     vocab_parallel: object = None,
     logits_name: str = "logits",
     dtensor_shard: VocabShard | None = None,
-) -> tuple[Any, Any]:
+    top_k: object = None,
+    top_p: object = None,
+    min_p: object = None,
+    sampler: object = "vllm",
+    kept: object = None,
+    kept_stats: bool = False,
+) -> Any:
     """Label log-probs (``labels.shape``) and/or entropy (``logits.shape[:-1]``) of ``logits / T``.
 
     ``labels`` is ``logits.shape[:-1]`` or ``logits.shape[:-1] + (K,)`` integer
     token ids (``None``: entropy only). With ``vocab_parallel``, ``logits``
     holds this rank's columns and the result is over the whole vocabulary of
-    its group (:func:`resolve_shard`).
+    its group (:func:`resolve_shard`). ``top_k``, ``top_p``, ``min_p``,
+    ``sampler`` and ``kept`` restrict each row's softmax to a sampler's kept set
+    (:mod:`rlmath.engine.sampling`); with ``kept_stats`` the result is a
+    :class:`SampledLogProbs`, else ``(log_probs, entropy)``.
     """
+    truncating = (
+        top_k is not None or top_p is not None or min_p is not None or kept is not None
+        or kept_stats is not False
+    )  # fmt: skip
+    if truncating and dt.any_dtensor(logits, labels, temperature):
+        raise NotImplementedError(
+            "top_k, top_p, min_p, kept and kept_stats are not supported for DTensor inputs "
+            "yet: pass to_local() of a tensor that holds the whole vocabulary"
+        )
     if dt.any_dtensor(logits, labels, temperature):
         return _log_probs_entropy_dtensor(
             logits, labels, temperature=temperature, want_entropy=want_entropy,
@@ -246,15 +270,33 @@ def log_probs_entropy(
         temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
         device_of=logits_name,
     )  # fmt: skip
+    real = shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1]
+    trunc = Truncation()
+    if truncating:
+        trunc = check_truncation(
+            top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept,
+            kept_stats=kept_stats, batch=batch, rows=batch, width=x.shape[-1], real=real,
+            device=x.device, shape_name=f"{logits_name}.shape[:-1]",
+            rows_name=f"{logits_name}.shape[:-1]",
+        )  # fmt: skip
+        backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard,
+        shard=shard, **trunc.fields,
     )  # fmt: skip
-    logp, ent, _ = LogProbsEntropyFunction.apply(x, lab2d, temp, None, cfg)
-    return (
-        logp.view(out_shape) if out_shape is not None else None,
-        ent.view(batch) if want_entropy else None,
+    logp, ent, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, lab2d, temp, None, trunc.sampling, trunc.kept, cfg
+    )
+    logp_out = logp.view(out_shape) if out_shape is not None else None
+    ent_out = ent.view(batch) if want_entropy else None
+    if not kept_stats:
+        return logp_out, ent_out
+    return SampledLogProbs(
+        logp_out,  # type: ignore[arg-type]
+        ent_out,
+        outside.view(out_shape) if out_shape is not None else outside,
+        aux[:, 1].to(torch.int64).view(batch),
     )
 
 
@@ -447,7 +489,7 @@ def dense_response_log_probs(
     )  # fmt: skip
     # The operator reads the response rows of the full logits in place: slicing them
     # here would make autograd allocate a second full-size gradient in backward.
-    logp, _, _ = LogProbsEntropyFunction.apply(x, labels, temp, None, cfg)
+    logp, *_ = LogProbsEntropyFunction.apply(x, labels, temp, None, None, None, cfg)
     return logp.view(B, R)
 
 
@@ -507,7 +549,7 @@ def packed_response_log_probs(
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
         shard=shard,
     )  # fmt: skip
-    logp, _, _ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, cfg)
+    logp, *_ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, None, None, cfg)
     logp = logp.view(B, response_length)
     return torch.where(mismatch, float("nan"), logp) if mismatch is not None else logp
 

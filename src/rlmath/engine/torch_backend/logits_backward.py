@@ -13,6 +13,7 @@ gradient itself.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource, real_columns
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["chunk_grad", "logits_grad"]
 
@@ -119,6 +123,7 @@ def logits_grad(
     label_sign: torch.Tensor | None,
     real: int,
     chunk: int | None,
+    restrict: KeptSet | None = None,
 ) -> torch.Tensor:
     """The gradient of the logits (their full shape; zero on unused rows and padding columns).
 
@@ -134,6 +139,8 @@ def logits_grad(
         logp_only, label_sign: see :func:`chunk_grad`.
         real: columns of ``logits`` that are real tokens.
         chunk: rows per chunk (``None``: the policy).
+        restrict: the kept set of a truncating sampler (its saved thresholds):
+            logits outside it count as ``-inf`` and get a zero gradient.
     """
     cdt, dev = lse.dtype, logits.device
     src = RowSource(logits, real, row_index, narrow)
@@ -157,8 +164,11 @@ def logits_grad(
 
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
         out = dst.get(a, b) if dst is not None else ws.get("gi", b - a, dtype=logits.dtype)
+        rows, col = src.rows(a, b, ws), temp.rows(a, b)
+        if restrict is not None:
+            rows, col = restrict.chunk(a, b, rows, col, ws), None
         chunk_grad(
-            src.rows(a, b, ws),
+            rows,
             ws,
             out,
             lse=lse_col[a:b],
@@ -166,7 +176,7 @@ def logits_grad(
             beta=beta[a:b] if beta is not None else None,
             w=w[a:b] if w is not None else None,
             labels=labels[a:b] if labels is not None else None,
-            temperature=temp.rows(a, b),
+            temperature=col,
             logp_only=logp_only,
             label_sign=label_sign[a:b] if label_sign is not None else None,
         )

@@ -13,6 +13,8 @@ the row). A NaN logit makes its row's statistics NaN.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rlmath.engine.execution import run_chunks
@@ -21,6 +23,9 @@ from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, 
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource
 from rlmath.engine.tree import fold, tile_count, tile_sums
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_max", "logits_stats"]
 
@@ -112,6 +117,7 @@ def logits_stats(
     chunk: int | None,
     dtype: torch.dtype,
     shift: torch.Tensor | None = None,
+    restrict: KeptSet | None = None,
 ) -> Stats:
     """:func:`chunk_stats` of every selected row of ``logits``, chunk by chunk.
 
@@ -127,6 +133,9 @@ def logits_stats(
         shift: ``(M,)`` the max of each row over the whole vocabulary, to shift
             by instead of the max of the columns read here (:func:`logits_max`
             of every shard, combined).
+        restrict: the kept set of a truncating sampler
+            (:class:`~rlmath.engine.sampling.KeptSet`): each chunk's logits
+            outside it count as ``-inf``. Single process only (no ``shift``).
 
     Returns:
         ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``; ``s``
@@ -150,10 +159,13 @@ def logits_stats(
     ranges = list(src.ranges(chunk))
 
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
+        rows, col = src.rows(a, b, ws), temp.rows(a, b)
+        if restrict is not None:
+            rows, col = restrict.chunk(a, b, rows, col, ws), None
         cm, cs, ct = chunk_stats(
-            src.rows(a, b, ws),
+            rows,
             ws,
-            temperature=temp.rows(a, b),
+            temperature=col,
             entropy=want_entropy,
             shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
         )
