@@ -240,7 +240,7 @@ def log_probs_entropy(
     """
     truncating = (
         top_k is not None or top_p is not None or min_p is not None or kept is not None
-        or kept_stats is not False
+        or kept_stats is not False or sampler != "vllm"
     )  # fmt: skip
     if truncating and dt.any_dtensor(logits, labels, temperature):
         raise NotImplementedError(
@@ -279,7 +279,8 @@ def log_probs_entropy(
             device=x.device, shape_name=f"{logits_name}.shape[:-1]",
             rows_name=f"{logits_name}.shape[:-1]",
         )  # fmt: skip
-        backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
+        if trunc.active:
+            backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
@@ -452,6 +453,47 @@ def check_response_length(response_length: object, seqlen: int, *, allow_full: b
     return response_length
 
 
+def _response_truncation(
+    truncation: dict[str, Any] | None,
+    x: torch.Tensor,
+    shard: VocabShard | None,
+    B: int,
+    S: int,
+    R: int,
+    backend: object,
+    vocab_parallel: object,
+) -> tuple[Truncation, object]:
+    """The checked truncation arguments of a response function, and its backend.
+
+    Per-row parameters broadcast to ``(B, S)`` (the predicting position, as the
+    temperature); ``kept`` is ``(B, R, ·)``, one row per response token.
+    """
+    if not truncation:
+        return Truncation(), backend
+    trunc = check_truncation(
+        **truncation, batch=(B, S), rows=(B, R), width=x.shape[-1],
+        real=shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1],
+        device=x.device, shape_name="input_ids.shape", rows_name="(B, response_length)",
+    )  # fmt: skip
+    if not trunc.active:
+        return trunc, backend
+    return trunc, no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
+
+
+def _response_result(
+    logp: torch.Tensor,
+    aux: torch.Tensor,
+    outside: torch.Tensor,
+    B: int,
+    R: int,
+    truncation: dict[str, Any] | None,
+) -> Any:
+    logp = logp.view(B, R)
+    if not truncation or not truncation.get("kept_stats"):
+        return logp
+    return SampledLogProbs(logp, None, outside.view(B, R), aux[:, 1].to(torch.int64).view(B, R))
+
+
 def dense_response_log_probs(
     input_ids: torch.Tensor,
     logits: torch.Tensor,
@@ -463,8 +505,14 @@ def dense_response_log_probs(
     validate: bool = False,
     vocab_size: object = None,
     vocab_parallel: object = None,
-) -> torch.Tensor:
-    """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``."""
+    truncation: dict[str, Any] | None = None,
+) -> Any:
+    """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``.
+
+    ``truncation``: the keyword arguments ``top_k``, ``top_p``, ``min_p``,
+    ``sampler``, ``kept`` and ``kept_stats`` (``None``: none); with
+    ``kept_stats`` the result is a :class:`SampledLogProbs`.
+    """
     ids = check_index_tensor("input_ids", input_ids)
     x = check_logits("logits", logits)
     if dt.any_dtensor(ids, x, temperature):
@@ -483,14 +531,18 @@ def dense_response_log_probs(
     temp, scalar = check_temperature(
         temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape"
     )
+    trunc, backend = _response_truncation(truncation, x, shard, B, S, R, backend, vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, narrow=(1, S - R - 1, R),
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size), shard=shard,
+        **trunc.fields,
     )  # fmt: skip
     # The operator reads the response rows of the full logits in place: slicing them
     # here would make autograd allocate a second full-size gradient in backward.
-    logp, *_ = LogProbsEntropyFunction.apply(x, labels, temp, None, None, None, cfg)
-    return logp.view(B, R)
+    logp, _, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, labels, temp, None, trunc.sampling, trunc.kept, cfg
+    )
+    return _response_result(logp, aux, outside, B, R, truncation)
 
 
 def packed_response_log_probs(
@@ -505,7 +557,8 @@ def packed_response_log_probs(
     validate: bool,
     vocab_size: object = None,
     vocab_parallel: object = None,
-) -> torch.Tensor:
+    truncation: dict[str, Any] | None = None,
+) -> Any:
     """``(B, R)`` response log-probs from packed logits, shifting within each sequence.
 
     ``ids``: ``(B, S)`` token ids on the dense grid; ``row_of``: ``(B, S)`` packed
@@ -513,6 +566,7 @@ def packed_response_log_probs(
     Only the ``B·R`` rows predicting response positions are read, through an
     index of fixed length (no host read). If ``logits_rmpad`` does not have one
     row per valid position, every result is NaN (``validate=True`` raises instead).
+    ``truncation``: as in :func:`dense_response_log_probs`.
     """
     B, S = ids.shape
     x = logits_rmpad
@@ -544,14 +598,26 @@ def packed_response_log_probs(
         packed = torch.ones(nnz + 1, dtype=dense.dtype, device=x.device)
         slot = torch.where(row_of >= 0, row_of, nnz).reshape(-1)
         temp = packed.scatter(0, slot, dense)[:nnz]
+    trunc, backend = _response_truncation(
+        truncation, x, shard, B, S, response_length, backend, vocab_parallel
+    )
+    sampling = trunc.sampling
+    if sampling is not None:
+        # As the temperature: each packed row takes its own position's parameters.
+        slot3 = torch.where(row_of >= 0, row_of, nnz).reshape(-1, 1).expand(-1, 3)
+        spare = torch.ones(nnz + 1, 3, dtype=sampling.dtype, device=x.device)
+        sampling = spare.scatter(0, slot3, sampling.reshape(-1, 3))[:nnz]
     cfg = _config(
         backend, x, family="logits", temperature=scalar, ignore_index=NO_LABEL,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard,
+        shard=shard, **trunc.fields,
     )  # fmt: skip
-    logp, *_ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, None, None, cfg)
-    logp = logp.view(B, response_length)
-    return torch.where(mismatch, float("nan"), logp) if mismatch is not None else logp
+    logp, _, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, plan.labels, temp, rows, sampling, trunc.kept, cfg
+    )
+    if mismatch is not None:
+        logp = torch.where(mismatch, float("nan"), logp)
+    return _response_result(logp, aux, outside, B, response_length, truncation)
 
 
 def packed_rows_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
