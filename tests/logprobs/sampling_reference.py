@@ -58,9 +58,15 @@ def _top_p_keep(
     """Tokens of ``cand`` whose strictly-larger mass (softmax over ``mass_over``) is below ``p``."""
     order = sorted(mass_over)
     probs = dict(zip(order, _softmax([z[j] for j in order]), strict=True))
+    # The mass strictly above each distinct value, walking the values from the largest.
+    above_value: dict[float, float] = {}
+    total = 0.0
+    for value in sorted({z[j] for j in mass_over} | {z[i] for i in cand}, reverse=True):
+        above_value[value] = total
+        total += sum(probs[j] for j in mass_over if z[j] == value)
     keep = set()
     for i in cand:
-        above = sum(probs[j] for j in mass_over if z[j] > z[i])
+        above = above_value[z[i]]
         if (above < p) if strict else (above <= p):
             keep.add(i)
     return keep

@@ -347,3 +347,22 @@ def test_mass_exactly_p_above_a_token_splits_vllm_and_sglang(dtype):
         if dtype == torch.float64:  # the fp32 values are not exactly ln 2 apart in fp64
             ref = kept_row(x[0].tolist(), sampler, None, 0.5, None)
             assert sorted(ref) == [j for j in range(3) if keep[j]]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("combo", ["k,p,min_p", "p=0.9", "p=0.3", "k=5"])
+def test_many_logits_in_one_bucket_of_the_threshold_search(sampler, combo):
+    # Logits within 1e-3 of each other (and a few tied): the cut falls inside a crowded bucket.
+    g = torch.Generator().manual_seed(12)
+    x = 1.0 + 1e-3 * torch.randn(6, 400, generator=g, dtype=torch.float64)
+    x[:, ::7] = 1.0
+    x[1] = torch.randn(400, generator=g, dtype=torch.float64) * 3  # spread wide
+    labels = torch.randint(0, 400, (6,), generator=g)
+    out = log_probs_and_entropy_from_logits(
+        x, labels, sampler=sampler, kept_stats=True, **COMBOS[combo]
+    )
+    logp, ent, outside, count, _ = reference(x, labels, sampler=sampler, **COMBOS[combo])
+    assert torch.equal(out.kept_count, count)
+    assert torch.equal(out.outside, outside)
+    torch.testing.assert_close(out.log_probs, logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.entropy, ent, rtol=0, atol=1e-12)

@@ -110,6 +110,7 @@ class OpConfig:
             the sampling-parameter tensor).
         top_p, min_p: with ``sampler``: the top-p (``1``: none) and min-p
             (``0``: none); ``-1``: per row, in the sampling-parameter tensor.
+        kept_stats: with ``sampler``: also count each row's kept set.
     """
 
     backend: str = "torch"
@@ -131,6 +132,7 @@ class OpConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    kept_stats: bool = False
 
     @property
     def shard(self) -> VocabShard:
@@ -161,6 +163,7 @@ class OpConfig:
             int(self.reduce_grad_hidden),
             _SAMPLER_CODES.index(self.sampler),
             self.top_k,
+            int(self.kept_stats),
         ]
         floats = [
             float(self.temperature),
@@ -176,7 +179,7 @@ class OpConfig:
         """The inverse of :meth:`op_args` (inside the operators)."""
         temperature, logit_scale, softcap, top_p, min_p = floats
         (want_entropy, has_ignore, ignore, chunk, vchunk, n_dim, n_start, n_len, start, real,
-         stride, total, reduce, sampler, top_k) = ints  # fmt: skip
+         stride, total, reduce, sampler, top_k, kept_stats) = ints  # fmt: skip
         return OpConfig(
             backend=backend,
             temperature=temperature,
@@ -197,4 +200,5 @@ class OpConfig:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
+            kept_stats=bool(kept_stats),
         )

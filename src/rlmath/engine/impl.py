@@ -213,15 +213,12 @@ def _kept_set(
     top_k: torch.Tensor | int | None = None
     top_p: torch.Tensor | float | None = None
     min_p: torch.Tensor | float | None = None
-    kmax = 0
     if cfg.sampler != "kept":
         if cfg.top_k == -1:
             assert rows is not None
             top_k = rows[:, 0].to(torch.int64).clamp_(1, max(real, 1))
-            kmax = int(top_k.max()) if top_k.numel() else 1
         elif cfg.top_k > 0:
             top_k = cfg.top_k
-            kmax = min(cfg.top_k, real)
         if cfg.top_p == -1.0:
             assert rows is not None
             top_p = rows[:, 1].to(cdt)
@@ -237,7 +234,6 @@ def _kept_set(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        kmax=kmax,
         kept=kept,
         labels=lab.local if lab is not None else None,
         owned=lab.owned if lab is not None else None,
@@ -276,7 +272,8 @@ def logits_forward(
 
     In the compute dtype. With a truncating sampler (``cfg.sampler``),
     ``aux`` is ``(M, 2)``: each row's threshold (the kept set is the scaled
-    logits at or above it) and the size of its kept set, and ``outside``
+    logits at or above it) and, with ``cfg.kept_stats``, the size of its kept
+    set (else 0), and ``outside``
     ``(M, K)`` bool marks the valid labels the sampler's rule leaves out
     (they are scored as if kept); without one both are empty.
     ``sampling``: ``batch + (3,)`` per-row (top-k, top-p, min-p), float64;
@@ -290,8 +287,9 @@ def logits_forward(
     tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
     count = torch.zeros(M, dtype=cdt, device=dev)
     kept_set = _kept_set(
-        cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau, count=count, forward=True
-    )
+        cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau,
+        count=count if cfg.kept_stats else None, forward=True,
+    )  # fmt: skip
     extra = {"restrict": kept_set} if kept_set is not None else {}
     z_labels = None
     if row_index is not None and logits.shape[0] == 0:

@@ -26,8 +26,11 @@ from the chunk :meth:`KeptSet.chunk` returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from rlmath import _device
 from rlmath.engine.torch_backend.buffers import Workspace
 
 __all__ = ["SAMPLERS", "KeptSet", "chunk_threshold"]
@@ -45,8 +48,10 @@ SAMPLERS = ("vllm", "sglang", "hf")
 
 _NEG_INF = float("-inf")
 
-# Top-k alone takes the k-th value from torch.topk below this many values, else from a sort.
-_TOPK_LIMIT = 1024
+# The bucketed threshold search: scaled logits y = z - max z in [-_SPAN, 0] fall in
+# _BUCKETS buckets of equal width (lower ones, and -inf, in bucket 0).
+_BUCKETS = 1024
+_SPAN = 40.0
 
 Param = torch.Tensor | float | int | None
 
@@ -58,6 +63,74 @@ def _col(value: Param, a: int, b: int) -> Param:
     return value
 
 
+def _bucket_index(y: torch.Tensor, m: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """``(c, V)`` int64: the bucket of each shifted logit ``y <= 0`` (NaN: bucket 0).
+
+    ``m``: the rows' max, NaN where a row holds a NaN.
+    """
+    c = y.shape[0]
+    t = torch.mul(y, _BUCKETS / _SPAN, out=ws.get("kb", c)).add_(_BUCKETS)
+    t.clamp_(0, _BUCKETS - 1)
+    if not _device.reads_host(y.device) or bool(m.isnan().any()):
+        t.nan_to_num_(0.0)
+    return ws.get("ki", c, torch.int64).copy_(t)
+
+
+def _select(
+    z: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor | None,
+    target: Param,
+    fraction: bool,
+    strict: bool,
+    value_weight: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """The smallest logit whose strictly-larger weight is below ``target`` (``<=`` if not ``strict``).
+
+    The weight of a token is ``weights`` (``None``: 1, a count). With
+    ``fraction``, the target is ``target`` times the row's total weight. The
+    weight above each bucket is summed first (one histogram per row); only the
+    tokens of the bucket where the target is crossed are sorted. Ties are one
+    group: the threshold keeps all of it. ``(c, 1)``; ``-inf`` keeps every token.
+    ``value_weight`` recomputes the weight of candidate logits (with ``weights``).
+    """
+    c, V = z.shape
+    dev = z.device
+    hist = torch.zeros(c, _BUCKETS, dtype=z.dtype, device=dev)
+    src = (
+        weights
+        if weights is not None
+        else torch.ones((1, 1), dtype=z.dtype, device=dev).expand(c, V)
+    )
+    hist.scatter_add_(1, idx, src)
+    T = hist.flip(-1).cumsum_(-1).flip(-1)  # T[:, b]: weight of the buckets >= b
+    limit = target * T[:, :1] if fraction else target
+    crossed = T >= limit if strict else T > limit
+    bstar = crossed.sum(-1, keepdim=True) - 1  # the highest bucket reaching the limit (-1: none)
+    nxt = (bstar + 1).clamp_max(_BUCKETS - 1)
+    above = torch.where(bstar + 1 >= _BUCKETS, 0.0, T.gather(1, nxt))
+    in_b = idx == bstar
+    counts = in_b.sum(-1, keepdim=True)
+    width = max(int(counts.max()), 1) if counts.numel() else 1
+    rows, cols = in_b.nonzero(as_tuple=True)
+    offsets = counts.squeeze(-1).cumsum(0) - counts.squeeze(-1)
+    pos = torch.arange(rows.numel(), device=dev) - offsets[rows]
+    cand = torch.full((c, width), float("-inf"), dtype=z.dtype, device=dev)
+    cand[rows, pos] = z[rows, cols]
+    vals = cand.sort(-1, descending=True).values
+    real = torch.arange(width, device=dev) < counts
+    if weights is None:
+        wv = real.to(z.dtype)
+    else:
+        assert value_weight is not None
+        wv = torch.where(real, value_weight(vals), 0.0)
+    excl = above + (wv.cumsum(-1) - wv)
+    ok = (excl < limit if strict else excl <= limit) & real
+    n = ok.sum(-1, keepdim=True)
+    tau = vals.gather(1, (n - 1).clamp_min(0))
+    return torch.where((bstar < 0) | (n == 0), float("-inf"), tau)
+
+
 def chunk_threshold(
     z: torch.Tensor,
     ws: Workspace,
@@ -66,67 +139,63 @@ def chunk_threshold(
     top_k: Param,
     top_p: Param,
     min_p: Param,
-    kmax: int,
 ) -> torch.Tensor:
     """The threshold ``tau`` ``(c, 1)`` of each row of scaled logits: the kept set is ``z >= tau``.
 
+    No sort of the rows: top-k and top-p are found by :func:`_select`, a
+    histogram of each row's count or mass over buckets of its logits, then a
+    sort of the one bucket where the cut falls.
+
     Args:
         z: ``(c, V)`` scaled logits ``logits / T`` in the compute dtype (read only).
-        ws: scratch buffers (uses ``"ks"``, ``"ki"`` and ``"kw"``).
+        ws: scratch buffers (uses ``"ky"``, ``"kw"``, ``"kb"``, ``"ki"``).
         sampler: one of :data:`SAMPLERS`.
         top_k: ``None``, an int ``>= 1`` or a ``(c, 1)`` int64 column (``>= V``: none).
         top_p: ``None``, a float in ``(0, 1]`` or a ``(c, 1)`` column (``1``: none).
         min_p: ``None``, a float in ``[0, 1]`` or a ``(c, 1)`` column (``0``: none).
-        kmax: the largest ``k`` of the rows (for ``torch.topk``), at most ``V``.
 
     Returns:
         ``(c, 1)`` in ``z``'s dtype; ``-inf`` keeps every token. The row's
-        largest logit is always kept.
+        largest logit is always kept. ``ws["ky"]`` then holds ``z - max z`` and,
+        with min-p or top-p, ``ws["kw"]`` its ``exp``.
     """
     c, V = z.shape
     m = z.amax(-1, keepdim=True)
     m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
     tau = torch.full((c, 1), _NEG_INF, dtype=z.dtype, device=z.device)
-    tau_k: torch.Tensor | None = None
+    y = torch.sub(z, m, out=ws.get("ky", c))
+    w: torch.Tensor | None = None
+    if min_p is not None or top_p is not None:
+        w = torch.exp(y, out=ws.get("kw", c))
     if min_p is not None:
-        ratio = torch.sub(z, m, out=ws.get("kw", c)).exp_()
+        assert w is not None
         # exp(z - m) >= min_p: the smallest logit that passes (ties kept).
-        passed = torch.where(ratio >= min_p, z, float("inf"))
+        passed = torch.where(w >= min_p, z, float("inf"))
         tau = torch.maximum(tau, passed.amin(-1, keepdim=True))
-    zs: torch.Tensor | None = None
-    if top_p is not None or (top_k is not None and kmax > _TOPK_LIMIT):
-        zs, _ = torch.sort(
-            z, -1, descending=True, out=(ws.get("ks", c), ws.get("ki", c, torch.int64))
-        )
+    if top_k is None and top_p is None:
+        return tau
+    idx = _bucket_index(y, m, ws)
+    tau_k: torch.Tensor | None = None
     if top_k is not None:
         k = top_k.clamp(1, V) if isinstance(top_k, torch.Tensor) else min(int(top_k), V)
-        if zs is not None:
-            head = zs
-        else:
-            head = torch.topk(z, max(1, min(kmax, V)), -1, sorted=True).values
-        if isinstance(k, torch.Tensor):
-            tau_k = head.gather(1, k - 1)
-        else:
-            tau_k = head[:, k - 1 : k]
+        tau_k = _select(z, idx, None, k, False, True, None)
         tau = torch.maximum(tau, tau_k)
     if top_p is not None:
-        assert zs is not None
+        assert w is not None
         base: torch.Tensor | None = None  # SGLang: the full distribution
-        if sampler == "vllm":
+        if sampler == "vllm" and (min_p is not None or top_k is not None):
             base = tau  # after min-p and top-k
         elif sampler == "hf":
             base = tau_k  # after top-k only
-        w = torch.sub(zs, m, out=ws.get("kw", c)).exp_()
-        if base is not None:
-            w.masked_fill_(zs < base, 0.0)
-        cum = w.cumsum_(-1)
-        total = cum[:, -1:]
-        limit = total * top_p
-        # Exclusive prefix mass: position j holds the mass of positions < j.
-        excl = torch.cat([torch.zeros_like(total), cum[:, :-1]], -1)
-        ok = excl <= limit if sampler == "sglang" else excl < limit
-        n = ok.sum(-1, keepdim=True).clamp_min_(1)
-        tau_p = zs.gather(1, n - 1)
+        weights = w
+        if base is not None:  # w itself stays exp(y): the kernels reuse it
+            weights = torch.where(z < base, 0.0, w)
+
+        def mass(v: torch.Tensor) -> torch.Tensor:
+            e = (v - m).exp_()
+            return e.masked_fill_(v < base, 0.0) if base is not None else e
+
+        tau_p = _select(z, idx, weights, top_p, True, sampler != "sglang", mass)
         none = top_p >= 1.0
         if isinstance(none, torch.Tensor):
             tau_p = torch.where(none, _NEG_INF, tau_p)
@@ -152,7 +221,6 @@ class KeptSet:
         sampler: one of :data:`SAMPLERS`, or ``"kept"`` (replay ``kept``).
         top_k, top_p, min_p: ``None``, a scalar, or an ``(M,)`` tensor (int64
             for ``top_k``, the compute dtype for the others).
-        kmax: the largest ``k`` over the rows (``0`` without top-k).
         kept: replay: ``(M, V)`` bool, or ``(M, K)`` int64 column ids padded with -1.
         labels, owned: ``(M, K)`` local label columns and whether each counts.
         tau: ``(M,)`` compute dtype: written in forward, read in backward.
@@ -167,7 +235,6 @@ class KeptSet:
         top_k: Param,
         top_p: Param,
         min_p: Param,
-        kmax: int,
         kept: torch.Tensor | None,
         labels: torch.Tensor | None,
         owned: torch.Tensor | None,
@@ -176,7 +243,7 @@ class KeptSet:
         forward: bool,
     ):
         self.sampler = sampler
-        self.top_k, self.top_p, self.min_p, self.kmax = top_k, top_p, min_p, kmax
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
         self.kept, self.labels, self.owned = kept, labels, owned
         self.tau, self.count, self.forward = tau, count, forward
 
@@ -187,12 +254,18 @@ class KeptSet:
         src: torch.Tensor,
         temperature: torch.Tensor | None,
         ws: Workspace,
-    ) -> torch.Tensor:
-        """Rows ``[a, b)`` as scaled logits ``src / T`` with ``-inf`` outside the kept set.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows ``[a, b)``: the scaled logits ``src / T`` and the kept set (labels added).
 
         ``src``: ``(c, V)`` raw logits (any floating dtype, read only);
         ``temperature``: ``None`` or a ``(c, 1)`` / ``(1, 1)`` compute-dtype
-        column. Returns a ``(c, V)`` compute-dtype buffer of ``ws`` (``"kz"``).
+        column. Returns ``(z, keep, e)``: ``(c, V)`` compute-dtype and bool
+        buffers of ``ws`` (``"kz"``, ``"kk"``), and ``exp(z - max z)`` when
+        the threshold search computed it (``ws["ky"]`` then holds ``z - max z``),
+        else ``None``. The kernels use ``z`` as the
+        logits and zero the probability of every token outside ``keep``: the
+        softmax over the kept set, without ``-inf`` entries (whose ``exp`` is
+        slow on CPUs).
         """
         c = b - a
         z = ws.get("kz", c)
@@ -201,13 +274,16 @@ class KeptSet:
         else:
             torch.div(src, temperature, out=z)
         keep = ws.get("kk", c, torch.bool)
+        e = None
         if self.kept is None:
             if self.forward:
                 tau = chunk_threshold(
                     z, ws, sampler=self.sampler, top_k=_col(self.top_k, a, b),
-                    top_p=_col(self.top_p, a, b), min_p=_col(self.min_p, a, b), kmax=self.kmax,
+                    top_p=_col(self.top_p, a, b), min_p=_col(self.min_p, a, b),
                 )  # fmt: skip
                 self.tau[a:b] = tau.squeeze(-1)
+                if self.min_p is not None or self.top_p is not None:
+                    e = ws.get("kw", c)
             else:
                 tau = self.tau[a:b].unsqueeze(-1)
             torch.ge(z, tau, out=keep)
@@ -221,4 +297,4 @@ class KeptSet:
             self.count[a:b] = (keep & (z > _NEG_INF)).sum(-1)
         if self.labels is not None and self.owned is not None:
             keep.scatter_reduce_(1, self.labels[a:b], self.owned[a:b], reduce="amax")
-        return z.masked_fill_(keep.logical_not_(), _NEG_INF)
+        return z, keep, e

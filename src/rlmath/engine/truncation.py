@@ -246,7 +246,7 @@ def check_truncation(
             )
         return Truncation(
             active=True,
-            fields={"sampler": "kept"},
+            fields={"sampler": "kept", "kept_stats": kept_stats},
             kept=_check_kept(kept, rows, width, real, device, rows_name),
         )
     # Scalars that cut nothing are left out: the call is then the plain one.
@@ -263,6 +263,7 @@ def check_truncation(
         "top_k": -1 if isinstance(k, torch.Tensor) else (k or 0),
         "top_p": -1.0 if isinstance(p, torch.Tensor) else (1.0 if p is None else p),
         "min_p": -1.0 if isinstance(mp, torch.Tensor) else (0.0 if mp is None else mp),
+        "kept_stats": kept_stats,
     }
     sampling = None
     if any(isinstance(v, torch.Tensor) for v in (k, p, mp)):

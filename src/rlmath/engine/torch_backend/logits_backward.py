@@ -165,8 +165,10 @@ def logits_grad(
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
         out = dst.get(a, b) if dst is not None else ws.get("gi", b - a, dtype=logits.dtype)
         rows, col = src.rows(a, b, ws), temp.rows(a, b)
+        keep = None
         if restrict is not None:
-            rows, col = restrict.chunk(a, b, rows, col, ws), None
+            rows, keep, _ = restrict.chunk(a, b, rows, col, ws)
+            col = None
         chunk_grad(
             rows,
             ws,
@@ -180,6 +182,11 @@ def logits_grad(
             logp_only=logp_only,
             label_sign=label_sign[a:b] if label_sign is not None else None,
         )
+        if keep is not None:
+            # Outside the kept set the probability is 0: so is the gradient. (Inside it the
+            # probabilities use the kept set's log-sum-exp, at most 1, so the terms
+            # computed outside before this zeroing are finite.)
+            out.masked_fill_(keep.logical_not_(), 0)
         if dead_col is not None and (dead_rows is None or _any_in(dead_rows, a, b)):
             # An ignored row may hold NaN or inf logits: its gradient is an exact 0.
             out.masked_fill_(dead_col[a:b], 0)

@@ -27,7 +27,14 @@ from rlmath.engine.tree import fold, tile_count, tile_sums
 if TYPE_CHECKING:
     from rlmath.engine.sampling import KeptSet
 
-__all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_max", "logits_stats"]
+__all__ = [
+    "chunk_stats",
+    "drop_dead_rows",
+    "kept_chunk_stats",
+    "label_logits",
+    "logits_max",
+    "logits_stats",
+]
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -67,6 +74,36 @@ def chunk_stats(
         t = tile_sums(e.mul_(y), nan=True)
     else:
         s = tile_sums(y.exp_())
+    return m.squeeze(-1), s, t
+
+
+def kept_chunk_stats(
+    z: torch.Tensor,
+    keep: torch.Tensor,
+    ws: Workspace,
+    *,
+    entropy: bool = False,
+    e: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
+
+    ``z``: ``(c, V)`` scaled logits in the compute dtype; ``keep``: ``(c, V)``
+    bool, holding each row's largest logit. The sums are those of ``z`` with
+    ``-inf`` outside ``keep``, term for term: ``exp`` is taken of the whole row
+    and the terms outside are zeroed (``exp(-inf)`` is slow on CPUs).
+    ``e``: ``exp(z - max z)`` already computed (with ``z - max z`` in
+    ``ws["ky"]``; :meth:`~rlmath.engine.sampling.KeptSet.chunk`), overwritten.
+    """
+    c = z.shape[0]
+    m = z.amax(-1, keepdim=True)
+    if e is not None:
+        y = ws.get("ky", c)
+    else:
+        y = torch.sub(z, m, out=ws.get("y", c))
+        e = torch.exp(y, out=ws.get("e", c))
+    e.mul_(keep)
+    s = tile_sums(e)
+    t = tile_sums(e.mul_(y), nan=True) if entropy else None
     return m.squeeze(-1), s, t
 
 
@@ -159,16 +196,17 @@ def logits_stats(
     ranges = list(src.ranges(chunk))
 
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
-        rows, col = src.rows(a, b, ws), temp.rows(a, b)
         if restrict is not None:
-            rows, col = restrict.chunk(a, b, rows, col, ws), None
-        cm, cs, ct = chunk_stats(
-            rows,
-            ws,
-            temperature=col,
-            entropy=want_entropy,
-            shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
-        )
+            z, keep, e = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
+            cm, cs, ct = kept_chunk_stats(z, keep, ws, entropy=want_entropy, e=e)
+        else:
+            cm, cs, ct = chunk_stats(
+                src.rows(a, b, ws),
+                ws,
+                temperature=temp.rows(a, b),
+                entropy=want_entropy,
+                shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+            )
         if not per_tile:  # each row's tiles added up here: no per-tile arrays of all rows
             sums = fold(torch.stack([cs, ct] if ct is not None else [cs], -1))
             cs, ct = sums[:, 0], sums[:, 1] if ct is not None else None
