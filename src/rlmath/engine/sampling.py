@@ -80,7 +80,7 @@ def _select(
     z: torch.Tensor,
     idx: torch.Tensor,
     weights: torch.Tensor | None,
-    target: Param,
+    target: torch.Tensor | float | int,
     fraction: bool,
     strict: bool,
     value_weight: Callable[[torch.Tensor], torch.Tensor] | None,
