@@ -109,10 +109,9 @@ def _select(
     bstar = crossed.sum(-1, keepdim=True) - 1  # the highest bucket reaching the limit (-1: none)
     nxt = (bstar + 1).clamp_max(_BUCKETS - 1)
     above = torch.where(bstar + 1 >= _BUCKETS, 0.0, T.gather(1, nxt))
-    in_b = idx == bstar
-    counts = in_b.sum(-1, keepdim=True)
+    rows, cols = (idx == bstar).nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=c).unsqueeze(-1)
     width = max(int(counts.max()), 1) if counts.numel() else 1
-    rows, cols = in_b.nonzero(as_tuple=True)
     offsets = counts.squeeze(-1).cumsum(0) - counts.squeeze(-1)
     pos = torch.arange(rows.numel(), device=dev) - offsets[rows]
     cand = torch.full((c, width), float("-inf"), dtype=z.dtype, device=dev)
@@ -189,7 +188,7 @@ def chunk_threshold(
             base = tau_k  # after top-k only
         weights = w
         if base is not None:  # w itself stays exp(y): the kernels reuse it
-            weights = torch.where(z < base, 0.0, w)
+            weights = w * (z >= base)
 
         def mass(v: torch.Tensor) -> torch.Tensor:
             e = (v - m).exp_()
@@ -259,8 +258,9 @@ class KeptSet:
 
         ``src``: ``(c, V)`` raw logits (any floating dtype, read only);
         ``temperature``: ``None`` or a ``(c, 1)`` / ``(1, 1)`` compute-dtype
-        column. Returns ``(z, keep, e)``: ``(c, V)`` compute-dtype and bool
-        buffers of ``ws`` (``"kz"``, ``"kk"``), and ``exp(z - max z)`` when
+        column. Returns ``(z, keep, e)``: ``(c, V)`` compute-dtype buffers of
+        ``ws`` (``"kz"``, or ``src`` itself; ``"kk"``: 1 in the kept set, 0
+        outside), and ``exp(z - max z)`` when
         the threshold search computed it (``ws["ky"]`` then holds ``z - max z``),
         else ``None``. The kernels use ``z`` as the
         logits and zero the probability of every token outside ``keep``: the
@@ -268,12 +268,17 @@ class KeptSet:
         slow on CPUs).
         """
         c = b - a
-        z = ws.get("kz", c)
-        if temperature is None:
-            z.copy_(src)
+        if temperature is None and src.dtype == ws.dtype:
+            z = src  # read only from here on
         else:
-            torch.div(src, temperature, out=z)
-        keep = ws.get("kk", c, torch.bool)
+            z = (
+                torch.div(src, temperature, out=ws.get("kz", c))
+                if temperature is not None
+                else (ws.get("kz", c).copy_(src))
+            )
+        # The kept set as 1.0 / 0.0 in the compute dtype: compared into and multiplied by
+        # several times faster than a bool mask on CPUs.
+        keep = ws.get("kk", c)
         e = None
         if self.kept is None:
             if self.forward:
@@ -292,9 +297,10 @@ class KeptSet:
         else:
             ids = self.kept[a:b]
             keep.zero_()
-            keep.scatter_reduce_(1, ids.clamp_min(0), ids >= 0, reduce="amax")
+            keep.scatter_reduce_(1, ids.clamp_min(0), (ids >= 0).to(keep.dtype), reduce="amax")
         if self.count is not None:
-            self.count[a:b] = (keep & (z > _NEG_INF)).sum(-1)
+            self.count[a:b] = (keep.bool() & (z > _NEG_INF)).sum(-1)
         if self.labels is not None and self.owned is not None:
-            keep.scatter_reduce_(1, self.labels[a:b], self.owned[a:b], reduce="amax")
+            owned = self.owned[a:b].to(keep.dtype)
+            keep.scatter_reduce_(1, self.labels[a:b], owned, reduce="amax")
         return z, keep, e

@@ -186,7 +186,7 @@ def logits_grad(
             # Outside the kept set the probability is 0: so is the gradient. (Inside it the
             # probabilities use the kept set's log-sum-exp, at most 1, so the terms
             # computed outside before this zeroing are finite.)
-            out.masked_fill_(keep.logical_not_(), 0)
+            out.mul_(keep)  # keep: 1 / 0 (faster than masked_fill_ on CPUs)
         if dead_col is not None and (dead_rows is None or _any_in(dead_rows, a, b)):
             # An ignored row may hold NaN or inf logits: its gradient is an exact 0.
             out.masked_fill_(dead_col[a:b], 0)

@@ -88,7 +88,7 @@ def kept_chunk_stats(
     """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
 
     ``z``: ``(c, V)`` scaled logits in the compute dtype; ``keep``: ``(c, V)``
-    bool, holding each row's largest logit. The sums are those of ``z`` with
+    1 in the kept set (which holds each row's largest logit), 0 outside. The sums are those of ``z`` with
     ``-inf`` outside ``keep``, term for term: ``exp`` is taken of the whole row
     and the terms outside are zeroed (``exp(-inf)`` is slow on CPUs).
     ``e``: ``exp(z - max z)`` already computed (with ``z - max z`` in
