@@ -55,11 +55,12 @@ def naive_log_probs(
     Shape: ``(N, V)``, ``(N,)`` → ``(N,)`` fp32.
     """
     z = logits.float()
+    zm = z
     if min_p is not None:
         probs = z.softmax(-1)
-        z = z.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    zs, order = z.sort(-1, descending=True)
-    keep = torch.ones_like(zs, dtype=torch.bool)
+        zm = z.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    zs, order = zm.sort(-1, descending=True)
+    keep = zs > float("-inf")
     if top_k is not None:
         keep &= torch.arange(zs.shape[-1], device=z.device) < top_k
     if top_p is not None:
@@ -90,10 +91,13 @@ def _inputs(
     return x, labels, grad
 
 
-def _forward_backward(fn: Impl, x: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor) -> Any:
+def _forward_backward(
+    fn: Impl, x: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
     leaf = x.detach().requires_grad_()
     out = fn(leaf, labels)
     out.backward(grad)
+    assert leaf.grad is not None
     return leaf.grad
 
 
@@ -127,25 +131,27 @@ def bench_case(
     if not naive:
         del impls["naive sort"]
 
-    def forward(fn: Impl) -> None:
-        with torch.no_grad():
-            fn(x, labels)
+    def forward(fn: Impl) -> Callable[[], None]:
+        def call() -> None:
+            with torch.no_grad():
+                fn(x, labels)
 
-    fwd = interleaved({k: (lambda f=f: forward(f)) for k, f in impls.items()}, device, repeats)
-    both = interleaved(
-        {k: (lambda f=f: _forward_backward(f, x, labels, grad)) for k, f in impls.items()},
-        device,
-        repeats,
-    )
+        return call
+
+    def forward_backward(fn: Impl) -> Callable[[], torch.Tensor]:
+        return lambda: _forward_backward(fn, x, labels, grad)
+
+    fwd = interleaved({k: forward(f) for k, f in impls.items()}, device, repeats)
+    both = interleaved({k: forward_backward(f) for k, f in impls.items()}, device, repeats)
     fp32_bytes = 4 * n * v
     rows = []
     for name, fn in impls.items():
         release_memory(device)
-        grad_x, peak = peak_bytes(lambda fn=fn: _forward_backward(fn, x, labels, grad), device)
+        grad_x, peak = peak_bytes(forward_backward(fn), device)
         extra = peak - grad_x.numel() * grad_x.element_size()  # the gradient is the result
         del grad_x
         rss = None
-        if device.type == "cpu":
+        if device.type == "cpu" and setting.rss:
             rss = peak_rss_bytes(
                 "rlmath.bench.sampling",
                 {"n": n, "v": v, "dtype": str(dtype).split(".")[-1], "impl": name,
