@@ -91,3 +91,17 @@ def test_response_replay_equals_recompute():
         log_probs_from_logits_response(ids, logits, R, kept=kept[:, :-1])
     with pytest.raises(ValueError, match="top_k"):
         log_probs_from_logits_response(ids, logits, R, top_k=torch.ones(B, R, dtype=torch.long))
+
+
+def test_response_functions_raise_on_paths_without_truncation():
+    import rlmath
+
+    ids, mask, logits = padded_batch([5, 2], [4, 1], P, R, seed=6)
+    for fn, args in (
+        (log_probs_from_logits_response, (ids, logits, R)),
+        (log_probs_from_logits_response_rmpad, (ids, mask, logits[mask], R)),
+    ):
+        with pytest.raises(NotImplementedError, match="vocab_parallel"):
+            fn(*args, top_p=0.5, vocab_parallel=rlmath.VocabParallel())
+        with pytest.raises(NotImplementedError, match="torch"):
+            fn(*args, top_k=3, backend="triton")
