@@ -63,6 +63,8 @@ COMBOS = {
     "per-row min_p": dict(min_p=_MP),
     "per-row k,p,min_p": dict(top_k=_K, top_p=_P, min_p=_MP),
     "per-row k, scalar p": dict(top_k=_K, top_p=0.75),
+    "k=200": dict(top_k=200),
+    "k=200,p": dict(top_k=200, top_p=0.8, min_p=0.01),
 }
 TEMPERATURES = {"T=1": 1.0, "T=0.7": 0.7, "per-row T": _T}
 
@@ -350,9 +352,10 @@ def test_mass_exactly_p_above_a_token_splits_vllm_and_sglang(dtype):
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-@pytest.mark.parametrize("combo", ["k,p,min_p", "p=0.9", "p=0.3", "k=5"])
+@pytest.mark.parametrize("combo", ["k,p,min_p", "p=0.9", "p=0.3", "k=5", "k=200", "k=200,p"])
 def test_many_logits_in_one_bucket_of_the_threshold_search(sampler, combo):
     # Logits within 1e-3 of each other (and a few tied): the cut falls inside a crowded bucket.
+    # k = 200 is found by the histogram (small k: from the row's head, torch.topk).
     g = torch.Generator().manual_seed(12)
     x = 1.0 + 1e-3 * torch.randn(6, 400, generator=g, dtype=torch.float64)
     x[:, ::7] = 1.0

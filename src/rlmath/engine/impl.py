@@ -213,12 +213,15 @@ def _kept_set(
     top_k: torch.Tensor | int | None = None
     top_p: torch.Tensor | float | None = None
     min_p: torch.Tensor | float | None = None
+    kmax = 0
     if cfg.sampler != "kept":
         if cfg.top_k == -1:
             assert rows is not None
             top_k = rows[:, 0].to(torch.int64).clamp_(1, max(real, 1))
+            kmax = int(top_k.max()) if top_k.numel() else 0  # one host read per call
         elif cfg.top_k > 0:
             top_k = cfg.top_k
+            kmax = min(cfg.top_k, real)
         if cfg.top_p == -1.0:
             assert rows is not None
             top_p = rows[:, 1].to(cdt)
@@ -234,6 +237,7 @@ def _kept_set(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        kmax=kmax,
         kept=kept,
         labels=lab.local if lab is not None else None,
         owned=lab.owned if lab is not None else None,

@@ -53,6 +53,10 @@ _NEG_INF = float("-inf")
 _BUCKETS = 1024
 _SPAN = 40.0
 
+# Top-k of at most this many tokens takes the head of each row from torch.topk (faster
+# than the histogram on CPUs up to about 256 tokens).
+_TOPK_HEAD = 128
+
 Param = torch.Tensor | float | int | None
 
 
@@ -130,6 +134,32 @@ def _select(
     return torch.where((bstar < 0) | (n == 0), float("-inf"), tau)
 
 
+def _head_top_p(
+    head: torch.Tensor,
+    m: torch.Tensor,
+    base: torch.Tensor | None,
+    total: torch.Tensor | None,
+    top_p: torch.Tensor | float,
+    strict: bool,
+) -> torch.Tensor:
+    """Top-p's threshold from the sorted head of each row (every candidate inside it).
+
+    ``total``: the candidates' mass when it is not the head's own (SGLang: the
+    whole row). Where the whole head passes, the cut lies at or below the
+    head's last value: ``-inf`` (top-k decides there).
+    """
+    wv = (head - m).exp_()
+    if base is not None:
+        wv.mul_(head >= base)
+    cum = wv.cumsum(-1)
+    limit = top_p * (cum[:, -1:] if total is None else total)
+    excl = cum - wv
+    ok = excl < limit if strict else excl <= limit
+    n = ok.sum(-1, keepdim=True)
+    tau = head.gather(1, (n - 1).clamp_min(0))
+    return torch.where((n == 0) | (n == head.shape[1]), _NEG_INF, tau)
+
+
 def chunk_threshold(
     z: torch.Tensor,
     ws: Workspace,
@@ -138,12 +168,16 @@ def chunk_threshold(
     top_k: Param,
     top_p: Param,
     min_p: Param,
-) -> torch.Tensor:
+    kmax: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The threshold ``tau`` ``(c, 1)`` of each row of scaled logits: the kept set is ``z >= tau``.
 
-    No sort of the rows: top-k and top-p are found by :func:`_select`, a
-    histogram of each row's count or mass over buckets of its logits, then a
-    sort of the one bucket where the cut falls.
+    No sort of the rows. With top-k of at most :data:`_TOPK_HEAD` tokens, the
+    largest ``kmax + 1`` logits of each row (``torch.topk``) give top-k and,
+    when every candidate of top-p lies among them, top-p. Otherwise top-k and
+    top-p are found by :func:`_select`: a histogram of each row's count or
+    mass over buckets of its logits, then a sort of the one bucket where the
+    cut falls.
 
     Args:
         z: ``(c, V)`` scaled logits ``logits / T`` in the compute dtype (read only).
@@ -152,19 +186,24 @@ def chunk_threshold(
         top_k: ``None``, an int ``>= 1`` or a ``(c, 1)`` int64 column (``>= V``: none).
         top_p: ``None``, a float in ``(0, 1]`` or a ``(c, 1)`` column (``1``: none).
         min_p: ``None``, a float in ``[0, 1]`` or a ``(c, 1)`` column (``0``: none).
+        kmax: with ``top_k``, the largest ``k`` of the rows (0: unknown).
 
     Returns:
-        ``(c, 1)`` in ``z``'s dtype; ``-inf`` keeps every token. The row's
-        largest logit is always kept. ``ws["ky"]`` then holds ``z - max z`` and,
-        with min-p or top-p, ``ws["kw"]`` its ``exp``.
+        ``(tau, e)``: ``tau`` ``(c, 1)`` in ``z``'s dtype, ``-inf`` keeps every
+        token (the row's largest logit is always kept); ``e``: ``exp(z - max
+        z)`` in ``ws["kw"]`` (with ``z - max z`` in ``ws["ky"]``) when the
+        search computed it, else ``None``.
     """
     c, V = z.shape
     m = z.amax(-1, keepdim=True)
     m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
     tau = torch.full((c, 1), _NEG_INF, dtype=z.dtype, device=z.device)
     y = torch.sub(z, m, out=ws.get("ky", c))
+    head: torch.Tensor | None = None
+    if top_k is not None and 0 < kmax <= _TOPK_HEAD:
+        head = torch.topk(z, min(kmax + 1, V), -1, sorted=True).values
     w: torch.Tensor | None = None
-    if min_p is not None or top_p is not None:
+    if min_p is not None or (top_p is not None and (head is None or sampler == "sglang")):
         w = torch.exp(y, out=ws.get("kw", c))
     if min_p is not None:
         assert w is not None
@@ -172,36 +211,55 @@ def chunk_threshold(
         passed = torch.where(w >= min_p, z, float("inf"))
         tau = torch.maximum(tau, passed.amin(-1, keepdim=True))
     if top_k is None and top_p is None:
-        return tau
-    idx = _bucket_index(y, m, ws)
+        return tau, w
+    idx: torch.Tensor | None = None
     tau_k: torch.Tensor | None = None
     if top_k is not None:
         k = top_k.clamp(1, V) if isinstance(top_k, torch.Tensor) else min(int(top_k), V)
-        tau_k = _select(z, idx, None, k, False, True, None)
+        if head is not None:
+            tau_k = head.gather(1, k - 1) if isinstance(k, torch.Tensor) else head[:, k - 1 : k]
+        else:
+            idx = _bucket_index(y, m, ws)
+            tau_k = _select(z, idx, None, k, False, True, None)
         tau = torch.maximum(tau, tau_k)
     if top_p is not None:
-        assert w is not None
         base: torch.Tensor | None = None  # SGLang: the full distribution
         if sampler == "vllm" and (min_p is not None or top_k is not None):
             base = tau  # after min-p and top-k
         elif sampler == "hf":
             base = tau_k  # after top-k only
-        weights = w
-        if base is not None:  # w itself stays exp(y): the kernels reuse it
-            weights = w * (z >= base)
+        strict = sampler != "sglang"
+        tau_p: torch.Tensor | None = None
+        if head is not None:
+            assert tau_k is not None
+            if sampler == "sglang":
+                # Top-k keeps only the head: a top-p cut below it changes nothing.
+                assert w is not None
+                tau_p = _head_top_p(head, m, None, w.sum(-1, keepdim=True), top_p, strict)
+            elif head.shape[1] == V or not bool((head[:, -1:] >= tau_k).any()):
+                # Every candidate (at or above the top-k threshold) is in the head.
+                tau_p = _head_top_p(head, m, base, None, top_p, strict)
+        if tau_p is None:
+            if w is None:
+                w = torch.exp(y, out=ws.get("kw", c))
+            if idx is None:
+                idx = _bucket_index(y, m, ws)
+            weights = w
+            if base is not None:  # w itself stays exp(y): the kernels reuse it
+                weights = w * (z >= base)
 
-        def mass(v: torch.Tensor) -> torch.Tensor:
-            e = (v - m).exp_()
-            return e.masked_fill_(v < base, 0.0) if base is not None else e
+            def mass(v: torch.Tensor) -> torch.Tensor:
+                e = (v - m).exp_()
+                return e.masked_fill_(v < base, 0.0) if base is not None else e
 
-        tau_p = _select(z, idx, weights, top_p, True, sampler != "sglang", mass)
+            tau_p = _select(z, idx, weights, top_p, True, strict, mass)
         none = top_p >= 1.0
         if isinstance(none, torch.Tensor):
             tau_p = torch.where(none, _NEG_INF, tau_p)
         elif none:
             tau_p = torch.full_like(tau_p, _NEG_INF)
         tau = torch.maximum(tau, tau_p)
-    return tau
+    return tau, w
 
 
 class KeptSet:
@@ -220,6 +278,7 @@ class KeptSet:
         sampler: one of :data:`SAMPLERS`, or ``"kept"`` (replay ``kept``).
         top_k, top_p, min_p: ``None``, a scalar, or an ``(M,)`` tensor (int64
             for ``top_k``, the compute dtype for the others).
+        kmax: with ``top_k``, the largest ``k`` of the rows (0: unknown).
         kept: replay: ``(M, V)`` bool, or ``(M, K)`` int64 column ids padded with -1.
         labels, owned: ``(M, K)`` local label columns and whether each counts.
         tau: ``(M,)`` compute dtype: written in forward, read in backward.
@@ -234,6 +293,7 @@ class KeptSet:
         top_k: Param,
         top_p: Param,
         min_p: Param,
+        kmax: int = 0,
         kept: torch.Tensor | None,
         labels: torch.Tensor | None,
         owned: torch.Tensor | None,
@@ -242,7 +302,7 @@ class KeptSet:
         forward: bool,
     ):
         self.sampler = sampler
-        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.top_k, self.top_p, self.min_p, self.kmax = top_k, top_p, min_p, kmax
         self.kept, self.labels, self.owned = kept, labels, owned
         self.tau, self.count, self.forward = tau, count, forward
 
@@ -282,13 +342,12 @@ class KeptSet:
         e = None
         if self.kept is None:
             if self.forward:
-                tau = chunk_threshold(
+                tau, e = chunk_threshold(
                     z, ws, sampler=self.sampler, top_k=_col(self.top_k, a, b),
                     top_p=_col(self.top_p, a, b), min_p=_col(self.min_p, a, b),
+                    kmax=self.kmax,
                 )  # fmt: skip
                 self.tau[a:b] = tau.squeeze(-1)
-                if self.min_p is not None or self.top_p is not None:
-                    e = ws.get("kw", c)
             else:
                 tau = self.tau[a:b].unsqueeze(-1)
             torch.ge(z, tau, out=keep)
