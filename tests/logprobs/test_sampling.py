@@ -369,3 +369,21 @@ def test_many_logits_in_one_bucket_of_the_threshold_search(sampler, combo):
     assert torch.equal(out.outside, outside)
     torch.testing.assert_close(out.log_probs, logp, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.entropy, ent, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("p", [0.5, 0.95, 1 - 1e-9])
+def test_peaky_rows_whose_nucleus_may_fit_in_the_head(sampler, p):
+    # A few large logits and a long tail: the nucleus of p = 0.5 lies among the 128 largest
+    # (found there), that of p = 1 - 1e-9 reaches into the tail (found by the histogram).
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 600, generator=g, dtype=torch.float64) - 12
+    x[:, :40] += 14 + torch.randn(5, 40, generator=g, dtype=torch.float64)
+    x[3, 100:400] = -12.0  # a long tied tail
+    labels = torch.randint(0, 600, (5,), generator=g)
+    out = log_probs_and_entropy_from_logits(x, labels, sampler=sampler, top_p=p, kept_stats=True)
+    logp, ent, outside, count, _ = reference(x, labels, sampler=sampler, top_p=p)
+    assert torch.equal(out.kept_count, count)
+    assert torch.equal(out.outside, outside)
+    torch.testing.assert_close(out.log_probs, logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.entropy, ent, rtol=0, atol=1e-12)

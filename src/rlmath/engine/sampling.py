@@ -239,6 +239,17 @@ def chunk_threshold(
             elif head.shape[1] == V or not bool((head[:, -1:] >= tau_k).any()):
                 # Every candidate (at or above the top-k threshold) is in the head.
                 tau_p = _head_top_p(head, m, base, None, top_p, strict)
+        if tau_p is None and base is None and w is not None:
+            # Each token weighs at most 1 (w = exp(z - max z)), so the nucleus holds at
+            # least p·S tokens: where that fits in a head, try the head first.
+            total = w.sum(-1, keepdim=True)
+            if float((top_p * total).max()) <= _TOPK_HEAD:
+                h = min(_TOPK_HEAD, V)
+                top = torch.topk(z, h, -1, sorted=True).values
+                found = _head_top_p(top, m, None, total, top_p, strict)
+                # -inf: the whole head passed, the cut lies below it (unless it is the row).
+                if h == V or not bool((found == _NEG_INF).any()):
+                    tau_p = found
         if tau_p is None:
             if w is None:
                 w = torch.exp(y, out=ws.get("kw", c))
