@@ -5,7 +5,8 @@ module's docstring): the median of interleaved runs of forward and
 forward + backward, the tensor peak and the peak RSS of one forward + backward.
 
 Usage: ``python benchmarks/bench_sampling.py [--repeats 5] [--shapes 8192x32000,...]
-[--dtypes float32,bfloat16] [--truncations top_p=0.9,top_k=50] [--no-naive] [--threads 2]
+[--dtypes float32,bfloat16] [--truncations top_p=0.9,top_k=50] [--logits normal|peaky]
+[--no-naive] [--threads 2]
 [--busy-cores K] [--device cpu|cuda]``.
 """
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="8192x32000", help="comma-separated NxV")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--truncations", default="top_p=0.9,top_k=50")
+    parser.add_argument("--logits", default="normal", choices=sampling.LOGITS)
     parser.add_argument("--no-naive", action="store_true", help="skip the sort-based reference")
     parser.add_argument(
         "--busy-cores", type=int, default=0, metavar="K", help="keep K cores busy while measuring"
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                 truncations=args.truncations.split(","),
                 repeats=max(3, args.repeats),
                 naive=not args.no_naive,
+                logits=args.logits,
             )
     except (BenchSettingError, ValueError) as err:
         parser.error(str(err))

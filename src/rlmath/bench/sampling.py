@@ -30,7 +30,15 @@ from rlmath.bench.setting import Setting, floating_dtype, header, interleaved, r
 from rlmath.bench.tables import print_header, print_rows, significant
 from rlmath.log_probs import log_probs_from_logits
 
-__all__ = ["TRUNCATIONS", "bench_case", "implementations", "naive_log_probs", "rss_case", "run"]
+__all__ = [
+    "LOGITS",
+    "TRUNCATIONS",
+    "bench_case",
+    "implementations",
+    "naive_log_probs",
+    "rss_case",
+    "run",
+]
 
 TRUNCATIONS: dict[str, dict[str, Any]] = {
     "top_p=0.9": {"top_p": 0.9},
@@ -81,11 +89,20 @@ def implementations(truncation: dict[str, Any]) -> dict[str, Impl]:
     }
 
 
+LOGITS = ("normal", "peaky")
+"""The logits the benchmark draws: ``"normal"``, i.i.d. ``N(0, 2²)`` (a flat distribution
+whose nucleus holds thousands of tokens); ``"peaky"``, 32 logits per row about 12 above
+a normal tail (most of the mass on a few tokens, as a language model's often is)."""
+
+
 def _inputs(
-    n: int, v: int, dtype: torch.dtype, device: torch.device
+    n: int, v: int, dtype: torch.dtype, device: torch.device, logits: str = "normal"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(n, v, generator=g) * 2).to(device=device, dtype=dtype)
+    x = torch.randn(n, v, generator=g) * 2
+    if logits == "peaky":
+        x[:, : min(32, v)] += 12
+    x = x.to(device=device, dtype=dtype)
     labels = torch.randint(0, v, (n,), generator=g).to(device)
     grad = torch.randn(n, generator=g).to(device)
     return x, labels, grad
@@ -104,9 +121,11 @@ def _forward_backward(
 RssCase = tuple[Callable[[], object], Callable[[], list[torch.Tensor]]]
 
 
-def rss_case(n: int, v: int, dtype: str, impl: str, truncation: str) -> RssCase:
+def rss_case(
+    n: int, v: int, dtype: str, impl: str, truncation: str, logits: str = "normal"
+) -> RssCase:
     """The case of :func:`bench_case` on a CPU for :func:`~rlmath.bench.memory.peak_rss_bytes`."""
-    x, labels, grad = _inputs(n, v, floating_dtype(dtype), torch.device("cpu"))
+    x, labels, grad = _inputs(n, v, floating_dtype(dtype), torch.device("cpu"), logits)
     fn = implementations(TRUNCATIONS[truncation])[impl]
     rows = min(64, n)
     return (
@@ -123,10 +142,11 @@ def bench_case(
     truncation: str,
     repeats: int,
     naive: bool,
+    logits: str = "normal",
 ) -> list[list[str]]:
-    """The rows of one shape, dtype and truncation."""
+    """The rows of one shape, dtype, truncation and kind of logits (:data:`LOGITS`)."""
     device = setting.device
-    x, labels, grad = _inputs(n, v, dtype, device)
+    x, labels, grad = _inputs(n, v, dtype, device, logits)
     impls = implementations(TRUNCATIONS[truncation])
     if not naive:
         del impls["naive sort"]
@@ -155,12 +175,13 @@ def bench_case(
             rss = peak_rss_bytes(
                 "rlmath.bench.sampling",
                 {"n": n, "v": v, "dtype": str(dtype).split(".")[-1], "impl": name,
-                 "truncation": truncation},
+                 "truncation": truncation, "logits": logits},
                 threads=torch.get_num_threads(),
             )  # fmt: skip
         rows.append(
             [
                 f"{n}×{v}",
+                logits,
                 str(dtype).split(".")[-1],
                 truncation,
                 name,
@@ -178,7 +199,7 @@ def bench_case(
 
 
 HEADER = [
-    "logits", "dtype", "truncation", "impl", "fwd ms", "fwd × plain", "fwd+bwd ms",
+    "logits", "drawn", "dtype", "truncation", "impl", "fwd ms", "fwd × plain", "fwd+bwd ms",
     "fwd+bwd × plain", "extra peak MiB", "extra / fp32 logits", "extra peak RSS MiB",
     "RSS / fp32 logits",
 ]  # fmt: skip
@@ -191,16 +212,21 @@ def run(
     truncations: list[str],
     repeats: int,
     naive: bool = True,
+    logits: str = "normal",
 ) -> None:
     """Print the table: every shape × dtype × truncation, each implementation a row."""
     unknown = [t for t in truncations if t not in TRUNCATIONS]
     if unknown:
         raise ValueError(f"unknown truncation {unknown}; known: {', '.join(TRUNCATIONS)}")
+    if logits not in LOGITS:
+        raise ValueError(f"unknown logits {logits!r}; known: {', '.join(LOGITS)}")
     print(header(setting, repeats))
     print_header(HEADER)
     for n, v in shapes:
         for dtype in dtypes:
             for truncation in truncations:
                 print_rows(
-                    bench_case(setting, n, v, floating_dtype(dtype), truncation, repeats, naive)
+                    bench_case(
+                        setting, n, v, floating_dtype(dtype), truncation, repeats, naive, logits
+                    )
                 )
