@@ -84,6 +84,18 @@ def _vocabulary_cases() -> dict[str, Case]:
             lambda x: R.log_probs_from_logits(x, labels.abs()[..., None], temperature=0.7),
             (x,),
         ),
+        "log_probs_from_logits (top_k, top_p, min_p per row)": (
+            lambda x: R.log_probs_from_logits(
+                x, labels, temperature=temp, top_k=5, top_p=0.8, min_p=temp * 0.1
+            ),
+            (x,),
+        ),
+        "log_probs_and_entropy_from_logits (replayed kept ids, hf)": (
+            lambda x: R.log_probs_and_entropy_from_logits(
+                x, labels, kept=torch.arange(4).expand(*labels.shape, 4), sampler="hf"
+            ),
+            (x,),
+        ),
         "entropy_from_logits": (lambda x: R.entropy_from_logits(x), (x,)),
         "entropy_from_logits (float temperature)": (
             lambda x: R.entropy_from_logits(x, temperature=0.7),
@@ -226,7 +238,7 @@ def test_every_public_function_has_a_case():
         "compute_rewards",
         "kl_penalty",
     ]
-    public = [n for n in public if n != "VocabParallel"]
+    public = [n for n in public if n not in ("VocabParallel", "SampledLogProbs")]
     missing = [n for n in public if not any(c == n or c.startswith(f"{n} ") for c in CASES)]
     missing += [
         f"policy loss {n}" for n in R.list_policy_losses() if f"policy loss {n}" not in CASES

@@ -1,5 +1,7 @@
 """Runs of chunks whose rows add their tiles up together: cut as documented, and invisible."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -25,7 +27,7 @@ def test_runs_cover_the_chunks_in_order_within_the_bounds(rows, chunk, tiles, su
         held = g[-1][1] - g[0][0]
         assert held <= cap or len(g) == 1  # a chunk larger than the cap is a run of its own
     # Fewer runs would have been possible only by breaking the cap.
-    for g, nxt in zip(groups, groups[1:]):
+    for g, nxt in itertools.pairwise(groups):
         assert nxt[0][1] - g[0][0] > cap
     assert fold_groups([], tiles, sums) == []
 

@@ -418,7 +418,7 @@ def test_repeated_packed_rows_sum_their_gradients_deterministically():
     for be in ("torch", "triton"):
         cfg = OpConfig(backend=be, ignore_index=IGNORE, want_entropy=True)
         leaf = x_dirty.clone().requires_grad_()
-        lp, ent, _ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, cfg)
+        lp, ent, *_ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, None, None, cfg)
         w = torch.arange(1.0, 9.0)
         ((lp[:, 0] * w).sum() + (ent * w.flip(0)).sum()).backward()
         grads[be] = (lp, ent, leaf.grad)
@@ -659,7 +659,7 @@ def test_packed_rows_gradient_against_fp64_with_unpicked_rows(blocks):
     gl, ge = torch.randn(6, generator=g), torch.randn(6, generator=g)
     cfg = OpConfig(backend="triton", want_entropy=True)
     leaf = x_dirty.clone().requires_grad_()
-    lp, ent, _ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, cfg)
+    lp, ent, *_ = LogProbsEntropyFunction.apply(leaf, labels, None, rows, None, None, cfg)
     ((lp[:, 0] * gl).sum() + (ent * ge).sum()).backward()
     ref = LogitsRef(x[rows], labels, 1.0, gl, ge)
     check(lp[:, 0], ref.lp[:, 0], ref.tol, "packed log-probs")

@@ -38,6 +38,12 @@ from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntro
 from rlmath.engine.groups import ProcessGroup, group_name, group_rank, group_size
 from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
+from rlmath.engine.truncation import (
+    SampledLogProbs,
+    Truncation,
+    check_truncation,
+    no_truncation_paths,
+)
 
 __all__ = [
     "check_response_length",
@@ -215,14 +221,32 @@ def log_probs_entropy(
     vocab_parallel: object = None,
     logits_name: str = "logits",
     dtensor_shard: VocabShard | None = None,
-) -> tuple[Any, Any]:
+    top_k: object = None,
+    top_p: object = None,
+    min_p: object = None,
+    sampler: object = "vllm",
+    kept: object = None,
+    kept_stats: bool = False,
+) -> Any:
     """Label log-probs (``labels.shape``) and/or entropy (``logits.shape[:-1]``) of ``logits / T``.
 
     ``labels`` is ``logits.shape[:-1]`` or ``logits.shape[:-1] + (K,)`` integer
     token ids (``None``: entropy only). With ``vocab_parallel``, ``logits``
     holds this rank's columns and the result is over the whole vocabulary of
-    its group (:func:`resolve_shard`).
+    its group (:func:`resolve_shard`). ``top_k``, ``top_p``, ``min_p``,
+    ``sampler`` and ``kept`` restrict each row's softmax to a sampler's kept set
+    (:mod:`rlmath.engine.sampling`); with ``kept_stats`` the result is a
+    :class:`SampledLogProbs`, else ``(log_probs, entropy)``.
     """
+    truncating = (
+        top_k is not None or top_p is not None or min_p is not None or kept is not None
+        or kept_stats is not False or sampler != "vllm"
+    )  # fmt: skip
+    if truncating and dt.any_dtensor(logits, labels, temperature):
+        raise NotImplementedError(
+            "top_k, top_p, min_p, kept and kept_stats are not supported for DTensor inputs "
+            "yet: pass to_local() of a tensor that holds the whole vocabulary"
+        )
     if dt.any_dtensor(logits, labels, temperature):
         return _log_probs_entropy_dtensor(
             logits, labels, temperature=temperature, want_entropy=want_entropy,
@@ -246,15 +270,34 @@ def log_probs_entropy(
         temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
         device_of=logits_name,
     )  # fmt: skip
+    real = shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1]
+    trunc = Truncation()
+    if truncating:
+        trunc = check_truncation(
+            top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept,
+            kept_stats=kept_stats, batch=batch, rows=batch, width=x.shape[-1], real=real,
+            device=x.device, shape_name=f"{logits_name}.shape[:-1]",
+            rows_name=f"{logits_name}.shape[:-1]",
+        )  # fmt: skip
+        if trunc.active:
+            backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard,
+        shard=shard, **trunc.fields,
     )  # fmt: skip
-    logp, ent, _ = LogProbsEntropyFunction.apply(x, lab2d, temp, None, cfg)
-    return (
-        logp.view(out_shape) if out_shape is not None else None,
-        ent.view(batch) if want_entropy else None,
+    logp, ent, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, lab2d, temp, None, trunc.sampling, trunc.kept, cfg
+    )
+    logp_out = logp.view(out_shape) if out_shape is not None else None
+    ent_out = ent.view(batch) if want_entropy else None
+    if not kept_stats:
+        return logp_out, ent_out
+    return SampledLogProbs(
+        logp_out,  # type: ignore[arg-type]
+        ent_out,
+        outside.view(out_shape) if out_shape is not None else outside,
+        aux[:, 1].to(torch.int64).view(batch),
     )
 
 
@@ -410,6 +453,47 @@ def check_response_length(response_length: object, seqlen: int, *, allow_full: b
     return response_length
 
 
+def _response_truncation(
+    truncation: dict[str, Any] | None,
+    x: torch.Tensor,
+    shard: VocabShard | None,
+    B: int,
+    S: int,
+    R: int,
+    backend: object,
+    vocab_parallel: object,
+) -> tuple[Truncation, object]:
+    """The checked truncation arguments of a response function, and its backend.
+
+    Per-row parameters broadcast to ``(B, S)`` (the predicting position, as the
+    temperature); ``kept`` is ``(B, R, ·)``, one row per response token.
+    """
+    if not truncation:
+        return Truncation(), backend
+    trunc = check_truncation(
+        **truncation, batch=(B, S), rows=(B, R), width=x.shape[-1],
+        real=shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1],
+        device=x.device, shape_name="input_ids.shape", rows_name="(B, response_length)",
+    )  # fmt: skip
+    if not trunc.active:
+        return trunc, backend
+    return trunc, no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
+
+
+def _response_result(
+    logp: torch.Tensor,
+    aux: torch.Tensor,
+    outside: torch.Tensor,
+    B: int,
+    R: int,
+    truncation: dict[str, Any] | None,
+) -> Any:
+    logp = logp.view(B, R)
+    if not truncation or not truncation.get("kept_stats"):
+        return logp
+    return SampledLogProbs(logp, None, outside.view(B, R), aux[:, 1].to(torch.int64).view(B, R))
+
+
 def dense_response_log_probs(
     input_ids: torch.Tensor,
     logits: torch.Tensor,
@@ -421,8 +505,14 @@ def dense_response_log_probs(
     validate: bool = False,
     vocab_size: object = None,
     vocab_parallel: object = None,
-) -> torch.Tensor:
-    """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``."""
+    truncation: dict[str, Any] | None = None,
+) -> Any:
+    """``(B, R)`` log-probs of the last ``R`` tokens; ``logits[:, t]`` predicts ``input_ids[:, t+1]``.
+
+    ``truncation``: the keyword arguments ``top_k``, ``top_p``, ``min_p``,
+    ``sampler``, ``kept`` and ``kept_stats`` (``None``: none); with
+    ``kept_stats`` the result is a :class:`SampledLogProbs`.
+    """
     ids = check_index_tensor("input_ids", input_ids)
     x = check_logits("logits", logits)
     if dt.any_dtensor(ids, x, temperature):
@@ -441,14 +531,18 @@ def dense_response_log_probs(
     temp, scalar = check_temperature(
         temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape"
     )
+    trunc, backend = _response_truncation(truncation, x, shard, B, S, R, backend, vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, narrow=(1, S - R - 1, R),
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size), shard=shard,
+        **trunc.fields,
     )  # fmt: skip
     # The operator reads the response rows of the full logits in place: slicing them
     # here would make autograd allocate a second full-size gradient in backward.
-    logp, _, _ = LogProbsEntropyFunction.apply(x, labels, temp, None, cfg)
-    return logp.view(B, R)
+    logp, _, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, labels, temp, None, trunc.sampling, trunc.kept, cfg
+    )
+    return _response_result(logp, aux, outside, B, R, truncation)
 
 
 def packed_response_log_probs(
@@ -463,7 +557,8 @@ def packed_response_log_probs(
     validate: bool,
     vocab_size: object = None,
     vocab_parallel: object = None,
-) -> torch.Tensor:
+    truncation: dict[str, Any] | None = None,
+) -> Any:
     """``(B, R)`` response log-probs from packed logits, shifting within each sequence.
 
     ``ids``: ``(B, S)`` token ids on the dense grid; ``row_of``: ``(B, S)`` packed
@@ -471,6 +566,7 @@ def packed_response_log_probs(
     Only the ``B·R`` rows predicting response positions are read, through an
     index of fixed length (no host read). If ``logits_rmpad`` does not have one
     row per valid position, every result is NaN (``validate=True`` raises instead).
+    ``truncation``: as in :func:`dense_response_log_probs`.
     """
     B, S = ids.shape
     x = logits_rmpad
@@ -502,14 +598,26 @@ def packed_response_log_probs(
         packed = torch.ones(nnz + 1, dtype=dense.dtype, device=x.device)
         slot = torch.where(row_of >= 0, row_of, nnz).reshape(-1)
         temp = packed.scatter(0, slot, dense)[:nnz]
+    trunc, backend = _response_truncation(
+        truncation, x, shard, B, S, response_length, backend, vocab_parallel
+    )
+    sampling = trunc.sampling
+    if sampling is not None:
+        # As the temperature: each packed row takes its own position's parameters.
+        slot3 = torch.where(row_of >= 0, row_of, nnz).reshape(-1, 1).expand(-1, 3)
+        spare = torch.ones(nnz + 1, 3, dtype=sampling.dtype, device=x.device)
+        sampling = spare.scatter(0, slot3, sampling.reshape(-1, 3))[:nnz]
     cfg = _config(
         backend, x, family="logits", temperature=scalar, ignore_index=NO_LABEL,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
-        shard=shard,
+        shard=shard, **trunc.fields,
     )  # fmt: skip
-    logp, _, _ = LogProbsEntropyFunction.apply(x, plan.labels, temp, rows, cfg)
-    logp = logp.view(B, response_length)
-    return torch.where(mismatch, float("nan"), logp) if mismatch is not None else logp
+    logp, _, _, aux, outside = LogProbsEntropyFunction.apply(
+        x, plan.labels, temp, rows, sampling, trunc.kept, cfg
+    )
+    if mismatch is not None:
+        logp = torch.where(mismatch, float("nan"), logp)
+    return _response_result(logp, aux, outside, B, response_length, truncation)
 
 
 def packed_rows_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

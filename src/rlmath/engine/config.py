@@ -72,6 +72,9 @@ class VocabShard:
         return width if self.real < 0 else self.real
 
 
+_SAMPLER_CODES = ("", "vllm", "sglang", "hf", "kept")
+"""The values of :attr:`OpConfig.sampler`, in the order of their integer codes."""
+
 SINGLE_PROCESS = VocabShard()
 """The whole vocabulary in this process."""
 
@@ -99,6 +102,15 @@ class OpConfig:
             (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
         softcap: fused head only: ``c > 0`` soft-caps the (scaled) logits to
             ``c·tanh(z / c)`` (Gemma 2/3's ``final_logit_softcapping``); 0: none.
+        sampler: logits only: ``""`` (the full vocabulary), or the engine
+            (``"vllm"``, ``"sglang"``, ``"hf"``) whose truncation rules define the
+            kept set, or ``"kept"`` (the kept set is given, replayed);
+            see :mod:`rlmath.engine.sampling`.
+        top_k: with ``sampler``: the top-k (``0``: none; ``-1``: per row, in
+            the sampling-parameter tensor).
+        top_p, min_p: with ``sampler``: the top-p (``1``: none) and min-p
+            (``0``: none); ``-1``: per row, in the sampling-parameter tensor.
+        kept_stats: with ``sampler``: also count each row's kept set.
     """
 
     backend: str = "torch"
@@ -116,6 +128,11 @@ class OpConfig:
     reduce_grad_hidden: bool = True
     logit_scale: float = 1.0
     softcap: float = 0.0
+    sampler: str = ""
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    kept_stats: bool = False
 
     @property
     def shard(self) -> VocabShard:
@@ -144,16 +161,25 @@ class OpConfig:
             self.shard_stride,
             self.shard_total,
             int(self.reduce_grad_hidden),
+            _SAMPLER_CODES.index(self.sampler),
+            self.top_k,
+            int(self.kept_stats),
         ]
-        floats = [float(self.temperature), float(self.logit_scale), float(self.softcap)]
+        floats = [
+            float(self.temperature),
+            float(self.logit_scale),
+            float(self.softcap),
+            float(self.top_p),
+            float(self.min_p),
+        ]
         return self.backend, self.group, floats, ints
 
     @staticmethod
     def from_op_args(backend: str, group: str, floats: list[float], ints: list[int]) -> OpConfig:
         """The inverse of :meth:`op_args` (inside the operators)."""
-        temperature, logit_scale, softcap = floats
+        temperature, logit_scale, softcap, top_p, min_p = floats
         (want_entropy, has_ignore, ignore, chunk, vchunk, n_dim, n_start, n_len, start, real,
-         stride, total, reduce) = ints  # fmt: skip
+         stride, total, reduce, sampler, top_k, kept_stats) = ints  # fmt: skip
         return OpConfig(
             backend=backend,
             temperature=temperature,
@@ -170,4 +196,9 @@ class OpConfig:
             reduce_grad_hidden=bool(reduce),
             logit_scale=logit_scale,
             softcap=softcap,
+            sampler=_SAMPLER_CODES[sampler],
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            kept_stats=bool(kept_stats),
         )

@@ -111,7 +111,7 @@ def _no_double_backward(name: str) -> DoubleBackwardError:
 class LogProbsEntropyFunction(_Function):
     """Label log-probs and/or entropy of ``softmax(logits / T)`` (any vocabulary shard).
 
-    ``apply(logits, labels, temperature, row_index, config)``:
+    ``apply(logits, labels, temperature, row_index, sampling, kept, config)``:
 
     - ``logits``: ``(..., V)`` raw logits (this process's columns), any floating dtype.
     - ``labels``: ``(M, K)`` int64 global token ids, or ``None`` (no log-probs).
@@ -119,10 +119,18 @@ class LogProbsEntropyFunction(_Function):
       ``None`` (``config.temperature`` applies).
     - ``row_index``: ``(M,)`` int64 rows of 2-D ``logits`` to use, or ``None``
       (every row, or ``config.narrow``).
+    - ``sampling``: ``logits.shape[:-1] + (3,)`` float64 per-row top-k, top-p
+      and min-p of a truncating sampler (``config.sampler``), or ``None``.
+    - ``kept``: a replayed kept set, ``(M, V)`` bool or ``(M, K')`` int64 ids
+      padded with -1, or ``None``.
     - ``config``: :class:`~rlmath.engine.config.OpConfig`.
 
-    Returns ``(logp (M, K), entropy (M,), lse (M,))`` in the compute dtype
-    (fp64 for fp64 logits, else fp32); outputs not asked for are empty.
+    Returns ``(logp (M, K), entropy (M,), lse (M,), aux, outside)`` in the
+    compute dtype (fp64 for fp64 logits, else fp32); outputs not asked for are
+    empty. With a truncating sampler the softmax is over each row's kept set:
+    ``aux`` ``(M, 2)`` holds each row's threshold and kept-set size, and
+    ``outside`` ``(M, K)`` bool the labels the rule leaves out (see
+    :func:`rlmath.engine.impl.logits_forward`).
     """
 
     generate_vmap_rule = True
@@ -133,36 +141,51 @@ class LogProbsEntropyFunction(_Function):
         labels: torch.Tensor | None,
         temperature: torch.Tensor | None,
         row_index: torch.Tensor | None,
+        sampling: torch.Tensor | None,
+        kept: torch.Tensor | None,
         config: OpConfig,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if _direct(logits):
-            return _run(logits, impl.logits_forward, logits, labels, temperature, row_index, config)
-        return ops.logits_forward(logits, labels, temperature, row_index, *config.op_args())
+            return _run(
+                logits, impl.logits_forward,
+                logits, labels, temperature, row_index, config, sampling, kept,
+            )  # fmt: skip
+        return ops.logits_forward(
+            logits, labels, temperature, row_index, sampling, kept, *config.op_args()
+        )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        logits, labels, temperature, row_index, config = inputs
-        logp, ent, lse = output
+        logits, labels, temperature, row_index, sampling, kept, config = inputs
+        logp, ent, lse, aux, outside = output
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, labels, temperature, row_index, lse, ent, logp)
+        ctx.save_for_backward(
+            logits, labels, temperature, row_index, sampling, kept, lse, ent, logp, aux
+        )
         ctx.config = config
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, aux, outside)
         if labels is None:
             ctx.mark_non_differentiable(logp)
         if not config.want_entropy:
             ctx.mark_non_differentiable(ent)
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: Any, grad_ent: Any, grad_lse: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        logits, labels, temperature, row_index, lse, ent, logp = ctx.saved_tensors
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp: Any, grad_ent: Any, grad_lse: Any, grad_aux: Any, grad_out: Any
+    ) -> tuple[Any, ...]:
+        logits, labels, temperature, row_index, sampling, kept, lse, ent, logp, aux = (
+            ctx.saved_tensors
+        )
+        nones = (None,) * 6
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_ent is None):
-            return None, None, None, None, None
+            return None, *nones
         if labels is not None:
             grad_logp = _nan_where_unheld(grad_logp, logp)
         grad = _LogProbsEntropyGrad.apply(
-            grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, ctx.config
-        )
-        return grad, None, None, None, None
+            grad_logp, grad_ent, logits, labels, temperature, row_index, sampling, kept, aux,
+            lse, ent, ctx.config,
+        )  # fmt: skip
+        return grad, *nones
 
 
 class _LogProbsEntropyGrad(_Function):
@@ -176,6 +199,9 @@ class _LogProbsEntropyGrad(_Function):
         labels: torch.Tensor | None,
         temperature: torch.Tensor | None,
         row_index: torch.Tensor | None,
+        sampling: torch.Tensor | None,
+        kept: torch.Tensor | None,
+        aux: torch.Tensor,
         lse: torch.Tensor,
         ent: torch.Tensor,
         config: OpConfig,
@@ -184,10 +210,11 @@ class _LogProbsEntropyGrad(_Function):
             return _run(
                 logits, impl.logits_backward,
                 grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent, config,
+                sampling, kept, aux,
             )  # fmt: skip
         return ops.logits_backward(
-            grad_logp, grad_ent, logits, labels, temperature, row_index, lse, ent,
-            *config.op_args(),
+            grad_logp, grad_ent, logits, labels, temperature, row_index, sampling, kept, aux,
+            lse, ent, *config.op_args(),
         )  # fmt: skip
 
     @staticmethod

@@ -24,6 +24,7 @@ from rlmath.engine.backends import get_kernels
 from rlmath.engine.config import OpConfig
 from rlmath.engine.groups import ProcessGroup, resolve_group
 from rlmath.engine.policy import auto_tile_sizes
+from rlmath.engine.sampling import KeptSet
 from rlmath.engine.stats import (
     combine_kl,
     combine_pi_squared,
@@ -172,18 +173,129 @@ def _logits_setup(
     return real, group, lab, temp
 
 
+def _row_params(
+    sampling: torch.Tensor | None,
+    batch: tuple[int, ...],
+    narrow: tuple[int, int, int] | None,
+    row_index: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The per-row sampling parameters ``(M, 3)`` (top-k, top-p, min-p) of the processed rows.
+
+    ``sampling`` is ``batch + (3,)`` (float64); the rows are taken as for the temperature.
+    """
+    if sampling is None:
+        return None
+    t = sampling.expand(*batch, 3)
+    if narrow is not None:
+        t = t.narrow(*narrow)
+    t = t.reshape(-1, 3)
+    return t[row_index] if row_index is not None else t
+
+
+def _kept_set(
+    cfg: OpConfig,
+    sampling: torch.Tensor | None,
+    kept: torch.Tensor | None,
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    lab: _Labels | None,
+    real: int,
+    cdt: torch.dtype,
+    *,
+    tau: torch.Tensor,
+    count: torch.Tensor | None,
+    forward: bool,
+) -> KeptSet | None:
+    """The kept set of a truncating sampler for this call (``None``: the full vocabulary)."""
+    if not cfg.sampler:
+        return None
+    rows = _row_params(sampling, tuple(logits.shape[:-1]), cfg.narrow, row_index)
+    top_k: torch.Tensor | int | None = None
+    top_p: torch.Tensor | float | None = None
+    min_p: torch.Tensor | float | None = None
+    kmax = 0
+    if cfg.sampler != "kept":
+        if cfg.top_k == -1:
+            assert rows is not None
+            top_k = rows[:, 0].to(torch.int64).clamp_(1, max(real, 1))
+            kmax = int(top_k.max()) if top_k.numel() else 0  # one host read per call
+        elif cfg.top_k > 0:
+            top_k = cfg.top_k
+            kmax = min(cfg.top_k, real)
+        if cfg.top_p == -1.0:
+            assert rows is not None
+            top_p = rows[:, 1].to(cdt)
+        elif cfg.top_p < 1.0:
+            top_p = cfg.top_p
+        if cfg.min_p == -1.0:
+            assert rows is not None
+            min_p = rows[:, 2].to(cdt)
+        elif cfg.min_p > 0.0:
+            min_p = cfg.min_p
+    return KeptSet(
+        cfg.sampler,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        kmax=kmax,
+        kept=kept,
+        labels=lab.local if lab is not None else None,
+        owned=lab.owned if lab is not None else None,
+        tau=tau,
+        count=count,
+        forward=forward,
+    )
+
+
+def _outside(
+    kept_set: KeptSet, lab: _Labels | None, z_labels: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``(M, K)`` bool: valid labels that the sampler's rule leaves out of the kept set."""
+    if lab is None or z_labels is None:
+        return None
+    kept = kept_set.kept
+    if kept is None:
+        inside = z_labels >= kept_set.tau.unsqueeze(-1)
+    elif kept.dtype == torch.bool:
+        inside = kept.gather(1, lab.local)
+    else:
+        inside = (kept.unsqueeze(1) == lab.local.unsqueeze(-1)).any(-1)
+    return lab.owned & ~inside
+
+
 def logits_forward(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
     temperature: torch.Tensor | None,
     row_index: torch.Tensor | None,
     cfg: OpConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp (M, K) or empty, entropy (M,) or empty, lse (M,))`` in the compute dtype."""
+    sampling: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp (M, K) or empty, entropy (M,) or empty, lse (M,), aux, outside)``.
+
+    In the compute dtype. With a truncating sampler (``cfg.sampler``),
+    ``aux`` is ``(M, 2)``: each row's threshold (the kept set is the scaled
+    logits at or above it) and, with ``cfg.kept_stats``, the size of its kept
+    set (else 0), and ``outside``
+    ``(M, K)`` bool marks the valid labels the sampler's rule leaves out
+    (they are scored as if kept); without one both are empty.
+    ``sampling``: ``batch + (3,)`` per-row (top-k, top-p, min-p), float64;
+    ``kept``: a replayed kept set, ``(M, V)`` bool or ``(M, K')`` int64 ids padded with -1.
+    """
     cdt, dev = result_dtype(logits), logits.device
     real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
     live = lab.live if lab is not None else None
     kernels = get_kernels(cfg.backend)
+    M = num_rows(logits, row_index, cfg.narrow)
+    tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
+    count = torch.zeros(M, dtype=cdt, device=dev)
+    kept_set = _kept_set(
+        cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau,
+        count=count if cfg.kept_stats else None, forward=True,
+    )  # fmt: skip
+    extra = {"restrict": kept_set} if kept_set is not None else {}
+    z_labels = None
     if row_index is not None and logits.shape[0] == 0:
         # No packed rows at all: every selected row is dead.
         M = row_index.numel()
@@ -218,8 +330,9 @@ def logits_forward(
         else:
             m, s, t, z = kernels.logits_stats(
                 *args, lab.local if lab is not None else None, temp, cfg.want_entropy, real,
-                cfg.chunk_size, cdt,
+                cfg.chunk_size, cdt, **extra,
             )  # fmt: skip
+            z_labels = z
             big, log_s, ent, z_all, held = combine_shards(m, s, t, z, owned, group, layout)
     lse = big + log_s
     if lab is not None:
@@ -231,7 +344,15 @@ def logits_forward(
         ent = _empty(cdt, dev)
     elif live is not None:
         ent = torch.where(live, ent, 0)
-    return logp, ent, lse
+    aux, outside = _empty(cdt, dev), torch.empty(0, dtype=torch.bool, device=dev)
+    if kept_set is not None:
+        aux = torch.stack([tau, count], -1)
+        found = _outside(kept_set, lab, z_labels)
+        if found is not None:
+            outside = found
+        elif lab is not None:
+            outside = torch.zeros(lab.local.shape, dtype=torch.bool, device=dev)
+    return logp, ent, lse, aux, outside
 
 
 def logits_backward(
@@ -244,8 +365,15 @@ def logits_backward(
     lse: torch.Tensor,
     ent: torch.Tensor,
     cfg: OpConfig,
+    sampling: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gradient of the logits (their shape and dtype) for the given upstream gradients."""
+    """The gradient of the logits (their shape and dtype) for the given upstream gradients.
+
+    With a truncating sampler, ``aux`` is the forward's ``(M, 2)`` output
+    (the thresholds are reused, not searched again).
+    """
     cdt = lse.dtype
     real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
     live = lab.live if lab is not None else None
@@ -273,6 +401,13 @@ def logits_backward(
     if row_index is not None and logits.shape[0] == 0:
         return torch.zeros_like(logits)
     kernels = get_kernels(cfg.backend)
+    extra = {}
+    if cfg.sampler:
+        assert aux is not None
+        extra["restrict"] = _kept_set(
+            cfg, sampling, kept, logits, row_index, lab, real, cdt,
+            tau=aux[:, 0].contiguous(), count=None, forward=False,
+        )  # fmt: skip
     return kernels.logits_grad(  # type: ignore[no-any-return]
         logits,
         row_index,
@@ -288,6 +423,7 @@ def logits_backward(
         label_sign=label_sign,
         real=real,
         chunk=cfg.chunk_size,
+        **extra,
     )
 
 

@@ -70,24 +70,31 @@ def logits_forward(
     labels: Optional[torch.Tensor],
     temperature: Optional[torch.Tensor],
     row_index: Optional[torch.Tensor],
+    sampling: Optional[torch.Tensor],
+    kept: Optional[torch.Tensor],
     backend: str,
     group: str,
     floats: List[float],
     ints: List[int],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Label log-probs ``(M, K)``, entropy ``(M,)`` and log-sum-exp ``(M,)`` of selected rows."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Label log-probs ``(M, K)``, entropy ``(M,)``, log-sum-exp ``(M,)``, and with a truncating
+    sampler each row's threshold and kept-set size ``(M, 2)`` and the labels outside ``(M, K)``."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
-    return impl.logits_forward(logits, labels, temperature, row_index, cfg)
+    return impl.logits_forward(logits, labels, temperature, row_index, cfg, sampling, kept)
 
 
 @logits_forward.register_fake
-def _(logits, labels, temperature, row_index, backend, group, floats, ints):
+def _(logits, labels, temperature, row_index, sampling, kept, backend, group, floats, ints):
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     want_entropy = cfg.want_entropy
     cdt, M = _cdt(logits), impl.num_rows(logits, row_index, cfg.narrow)
     logp = logits.new_empty((M, labels.shape[-1]) if labels is not None else (0,), dtype=cdt)
     ent = logits.new_empty((M,) if want_entropy else (0,), dtype=cdt)
-    return logp, ent, logits.new_empty((M,), dtype=cdt)
+    aux = logits.new_empty((M, 2) if cfg.sampler else (0,), dtype=cdt)
+    outside = logits.new_empty(
+        (M, labels.shape[-1]) if cfg.sampler and labels is not None else (0,), dtype=torch.bool
+    )
+    return logp, ent, logits.new_empty((M,), dtype=cdt), aux, outside
 
 
 @operator("rlmath::logits_backward")
@@ -98,6 +105,9 @@ def logits_backward(
     labels: Optional[torch.Tensor],
     temperature: Optional[torch.Tensor],
     row_index: Optional[torch.Tensor],
+    sampling: Optional[torch.Tensor],
+    kept: Optional[torch.Tensor],
+    aux: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     backend: str,
@@ -108,8 +118,9 @@ def logits_backward(
     """The gradient of ``logits`` (its shape and dtype)."""
     cfg = OpConfig.from_op_args(backend, group, floats, ints)
     return impl.logits_backward(
-        grad_logp, grad_entropy, logits, labels, temperature, row_index, lse, entropy, cfg
-    )
+        grad_logp, grad_entropy, logits, labels, temperature, row_index, lse, entropy, cfg,
+        sampling, kept, aux,
+    )  # fmt: skip
 
 
 @logits_backward.register_fake

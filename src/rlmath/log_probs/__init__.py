@@ -12,6 +12,7 @@ vocabulary split over processes when given ``vocab_parallel=``
 from rlmath.log_probs.entropy import entropy_from_logits
 from rlmath.log_probs.kl_from_logits import kl_from_logits
 from rlmath.log_probs.log_probs import (
+    SampledLogProbs,
     VocabParallel,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
@@ -24,6 +25,7 @@ from rlmath.log_probs.response import (
 from rlmath.log_probs.sum_pi_squared import sum_pi_squared_from_logits
 
 __all__ = [
+    "SampledLogProbs",
     "VocabParallel",
     "entropy_from_logits",
     "kl_from_logits",

@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal, overload
+
 import torch
 
 from rlmath.engine import api
 from rlmath.engine.config import VocabParallel
+from rlmath.engine.truncation import SampledLogProbs
 
-__all__ = ["VocabParallel", "log_probs_and_entropy_from_logits", "log_probs_from_logits"]
+__all__ = [
+    "SampledLogProbs",
+    "VocabParallel",
+    "log_probs_and_entropy_from_logits",
+    "log_probs_from_logits",
+]
+
+Sampler = Literal["vllm", "sglang", "hf"]
+KeptSetArg = torch.Tensor | Sequence[Sequence[int]] | None
+
+
+@overload
+def log_probs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = ...,
+    ignore_index: int | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def log_probs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = ...,
+    ignore_index: int | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
 
 
 def log_probs_from_logits(
@@ -21,8 +75,18 @@ def log_probs_from_logits(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> torch.Tensor:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
+    kept_stats: bool = False,
+) -> torch.Tensor | SampledLogProbs:
     """Log-probability of each label under ``softmax(logits / temperature)``.
+
+    With ``top_k``, ``top_p``, ``min_p`` or ``kept``: under the distribution a
+    rollout engine samples from, ``softmax`` restricted to each row's kept set
+    and renormalised (``docs/sampling.md``).
 
     ``logits[..., i, :]`` scores ``labels[..., i]``: there is no shift inside
     (see :func:`log_probs_from_logits_response` for next-token alignment).
@@ -69,17 +133,96 @@ def log_probs_from_logits(
             that every rank passes the same rows and labels) with a clear
             ``ValueError``; off by default because it reads tensor data (a host
             sync).
-
+        top_k: keep each row's ``k`` largest (temperature-scaled) logits before
+            renormalising, as the rollout's sampler did: an int ``>= 1`` or an
+            integer tensor broadcastable to ``logits.shape[:-1]`` (one per row,
+            like ``temperature``). ``None`` or ``k >= V``: no top-k.
+        top_p: keep the smallest head of the distribution whose mass reaches
+            ``top_p`` (nucleus sampling): a float in ``(0, 1]`` or a tensor of
+            them per row. ``None`` or 1: no top-p.
+        min_p: keep the tokens whose probability is at least ``min_p`` times
+            the largest one: a float in ``[0, 1]`` or a tensor per row. ``None``
+            or 0: no min-p.
+        sampler: whose rules define the kept set: ``"vllm"`` (the default),
+            ``"sglang"`` or ``"hf"`` (transformers' ``generate``); they differ in
+            the order of the filters and the mass top-p measures
+            (``docs/sampling.md``). Ties at the threshold are all kept. The
+            kept set receives no gradient; the gradient is that of the log-softmax
+            over it.
+        kept: replay the kept set the rollout engine returned instead of
+            recomputing it: a bool mask ``logits.shape[:-1] + (V,)``, integer token
+            ids ``logits.shape[:-1] + (K,)`` padded with -1, or a list of one
+            sequence of token ids per row (rows in ``logits.shape[:-1]`` order,
+            flattened). Not with ``top_k``, ``top_p`` or ``min_p``.
+        kept_stats: return a :class:`SampledLogProbs` with, besides the
+            result, which labels fell outside the kept set and the size of each
+            row's kept set. A label outside the kept set is always scored as if
+            the sampler had kept it (its row's kept set is extended by its
+            labels): a finite log-prob, never NaN.
     Returns:
         Log-probabilities of shape ``labels.shape``, fp32 (fp64 for fp64 logits).
-        Differentiable w.r.t. ``logits`` (first order).
+        Differentiable w.r.t. ``logits`` (first order). With ``kept_stats``, a
+        :class:`SampledLogProbs` (``entropy`` ``None``).
+
+    Raises:
+        ValueError: a bad argument, named in the message (``top_p`` outside
+            ``(0, 1]``, ``top_k < 1``, ``min_p`` outside ``[0, 1]``, a per-row
+            tensor or ``kept`` of the wrong shape, ...).
+        NotImplementedError: ``top_k``, ``top_p``, ``min_p``, ``kept`` or
+            ``kept_stats`` with ``vocab_parallel``, DTensor inputs or
+            ``backend="triton"``.
     """
-    logp, _ = api.log_probs_entropy(
+    out = api.log_probs_entropy(
         logits, labels, temperature=temperature, want_entropy=False, ignore_index=ignore_index,
         chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
-        vocab_parallel=vocab_parallel,
+        vocab_parallel=vocab_parallel, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+        kept=kept, kept_stats=kept_stats,
     )  # fmt: skip
-    return logp
+    if kept_stats:
+        return out  # type: ignore[no-any-return]
+    return out[0]  # type: ignore[no-any-return]
+
+
+@overload
+def log_probs_and_entropy_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = ...,
+    ignore_index: int | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[False] = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def log_probs_and_entropy_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = ...,
+    ignore_index: int | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
 
 
 def log_probs_and_entropy_from_logits(
@@ -93,7 +236,13 @@ def log_probs_and_entropy_from_logits(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
+    kept_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | SampledLogProbs:
     """Label log-probabilities and the entropy of each row, in one pass over the logits.
 
     Same as ``(log_probs_from_logits(...), entropy_from_logits(...))`` with the
@@ -109,13 +258,17 @@ def log_probs_and_entropy_from_logits(
             or ``ignore_index``.
         temperature, ignore_index, vocab_size, vocab_parallel, chunk_size, backend, validate:
             as in :func:`log_probs_from_logits`.
+        top_k, top_p, min_p, sampler, kept, kept_stats: restrict each row to the
+            kept set of the rollout's sampler, as in :func:`log_probs_from_logits`;
+            the entropy is then that of the renormalised kept distribution.
 
     Returns:
         ``(log_probs, entropy)``: ``labels.shape`` and ``logits.shape[:-1]``,
-        fp32 (fp64 for fp64 logits).
+        fp32 (fp64 for fp64 logits); with ``kept_stats``, a :class:`SampledLogProbs`.
     """
     return api.log_probs_entropy(  # type: ignore[no-any-return]
         logits, labels, temperature=temperature, want_entropy=True, ignore_index=ignore_index,
         chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
-        vocab_parallel=vocab_parallel,
+        vocab_parallel=vocab_parallel, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+        kept=kept, kept_stats=kept_stats,
     )  # fmt: skip

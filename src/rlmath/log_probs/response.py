@@ -16,17 +16,84 @@ processed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Literal, overload
+
 import torch
 
 from rlmath._validation import check_index_tensor, check_logits, check_tensor
 from rlmath.engine import api
 from rlmath.engine.config import VocabParallel
+from rlmath.engine.truncation import SampledLogProbs
+
+Sampler = Literal["vllm", "sglang", "hf"]
+KeptSetArg = torch.Tensor | Sequence[Sequence[int]] | None
+
+
+def _truncation(
+    top_k: object, top_p: object, min_p: object, sampler: object, kept: object, kept_stats: object
+) -> dict[str, Any] | None:
+    """The truncation keywords for the engine (``None`` when every one is at its default)."""
+    args = {
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "sampler": sampler,
+        "kept": kept,
+        "kept_stats": kept_stats,
+    }
+    if top_k is top_p is min_p is kept is None and kept_stats is False and sampler == "vllm":
+        return None
+    return args
+
 
 __all__ = [
     "log_probs_from_logits_all_rmpad",
     "log_probs_from_logits_response",
     "log_probs_from_logits_response_rmpad",
 ]
+
+
+@overload
+def log_probs_from_logits_response(
+    input_ids: torch.Tensor,
+    logits: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def log_probs_from_logits_response(
+    input_ids: torch.Tensor,
+    logits: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
 
 
 def log_probs_from_logits_response(
@@ -40,7 +107,13 @@ def log_probs_from_logits_response(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> torch.Tensor:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
+    kept_stats: bool = False,
+) -> torch.Tensor | SampledLogProbs:
     """Log-probs of the last ``R = response_length`` tokens from dense logits.
 
     ``logits[:, t]`` predicts ``input_ids[:, t + 1]``: the result is
@@ -63,6 +136,16 @@ def log_probs_from_logits_response(
             ``vocab_parallel``, also that every rank passes the same tokens) and
             that a tensor temperature is positive, with a ``ValueError`` (a host
             sync). Without it a token that is not an id gives NaN.
+        top_k, top_p, min_p, sampler: restrict each response token's softmax to
+            the kept set of the rollout's sampler, as in
+            :func:`~rlmath.log_probs.log_probs_from_logits`; per-row tensors
+            broadcast to ``(B, S)`` and are taken at the predicting position,
+            like ``temperature``.
+        kept: the rollout's kept set of each response token, replayed: a bool
+            mask ``(B, R, V)``, token ids ``(B, R, K)`` padded with -1, or a list of
+            ``B·R`` sequences of token ids (row-major).
+        kept_stats: return a :class:`~rlmath.log_probs.SampledLogProbs`
+            (``outside`` and ``kept_count`` of shape ``(B, R)``, ``entropy`` ``None``).
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits). Columns whose token
@@ -73,6 +156,7 @@ def log_probs_from_logits_response(
         input_ids, logits, response_length, temperature=temperature, chunk_size=chunk_size,
         backend=backend, validate=validate, vocab_size=vocab_size,
         vocab_parallel=vocab_parallel,
+        truncation=_truncation(top_k, top_p, min_p, sampler, kept, kept_stats),
     )  # fmt: skip
 
 
@@ -104,6 +188,50 @@ def check_ids_and_mask(
     return ids, mask
 
 
+@overload
+def log_probs_from_logits_response_rmpad(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def log_probs_from_logits_response_rmpad(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
+
+
 def log_probs_from_logits_response_rmpad(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -116,7 +244,13 @@ def log_probs_from_logits_response_rmpad(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> torch.Tensor:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
+    kept_stats: bool = False,
+) -> torch.Tensor | SampledLogProbs:
     """Log-probs of the response tokens from packed logits, shifting within each sequence.
 
     ``logits_rmpad`` holds one row per valid token of ``input_ids`` in row-major
@@ -147,6 +281,16 @@ def log_probs_from_logits_response_rmpad(
             that every rank passes the same tokens), with a ``ValueError`` (a host
             sync). Without it a row-count mismatch makes every result NaN, found
             without reading anything on the host.
+        top_k, top_p, min_p, sampler: restrict each response token's softmax to
+            the kept set of the rollout's sampler, as in
+            :func:`~rlmath.log_probs.log_probs_from_logits`; per-row tensors
+            broadcast to ``(B, S)`` and are taken at the predicting position,
+            like ``temperature``.
+        kept: the rollout's kept set of each response token, replayed: a bool
+            mask ``(B, R, V)``, token ids ``(B, R, K)`` padded with -1, or a list of
+            ``B·R`` sequences of token ids (row-major).
+        kept_stats: return a :class:`~rlmath.log_probs.SampledLogProbs`
+            (``outside`` and ``kept_count`` of shape ``(B, R)``, ``entropy`` ``None``).
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits); 0 where the token is
@@ -160,7 +304,56 @@ def log_probs_from_logits_response_rmpad(
         ids, api.packed_rows_from_mask(mask), x, R, temperature=temperature,
         chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
         vocab_parallel=vocab_parallel,
+        truncation=_truncation(top_k, top_p, min_p, sampler, kept, kept_stats),
     )  # fmt: skip
+
+
+@overload
+def log_probs_from_logits_all_rmpad(
+    input_ids_rmpad: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    indices: torch.Tensor,
+    batch_size: int,
+    seqlen: int,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def log_probs_from_logits_all_rmpad(
+    input_ids_rmpad: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    indices: torch.Tensor,
+    batch_size: int,
+    seqlen: int,
+    response_length: int,
+    *,
+    temperature: float | torch.Tensor = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept: KeptSetArg = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
 
 
 def log_probs_from_logits_all_rmpad(
@@ -177,7 +370,13 @@ def log_probs_from_logits_all_rmpad(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> torch.Tensor:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
+    kept_stats: bool = False,
+) -> torch.Tensor | SampledLogProbs:
     """Response log-probs from packed ids and logits, shifting within each sequence.
 
     Same result as :func:`log_probs_from_logits_response_rmpad`, for callers
@@ -197,6 +396,16 @@ def log_probs_from_logits_all_rmpad(
         chunk_size: rows per chunk (``None``: chosen from V).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: as in :func:`log_probs_from_logits_response_rmpad`.
+        top_k, top_p, min_p, sampler: restrict each response token's softmax to
+            the kept set of the rollout's sampler, as in
+            :func:`~rlmath.log_probs.log_probs_from_logits`; per-row tensors
+            broadcast to ``(B, S)`` and are taken at the predicting position,
+            like ``temperature``.
+        kept: the rollout's kept set of each response token, replayed: a bool
+            mask ``(B, R, V)``, token ids ``(B, R, K)`` padded with -1, or a list of
+            ``B·R`` sequences of token ids (row-major).
+        kept_stats: return a :class:`~rlmath.log_probs.SampledLogProbs`
+            (``outside`` and ``kept_count`` of shape ``(B, R)``, ``entropy`` ``None``).
 
     Returns:
         ``(B, R)`` fp32 log-probs (fp64 for fp64 logits), 0 where the token is
@@ -222,4 +431,5 @@ def log_probs_from_logits_all_rmpad(
     return api.packed_response_log_probs(
         ids, row_of, x, R, temperature=temperature, chunk_size=chunk_size, backend=backend,
         validate=validate, vocab_size=vocab_size, vocab_parallel=vocab_parallel,
+        truncation=_truncation(top_k, top_p, min_p, sampler, kept, kept_stats),
     )  # fmt: skip

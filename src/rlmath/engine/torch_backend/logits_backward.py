@@ -13,6 +13,7 @@ gradient itself.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.reductions import scaled_shift
 from rlmath.engine.torch_backend.rows import RowSource, real_columns
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["chunk_grad", "logits_grad"]
 
@@ -119,6 +123,7 @@ def logits_grad(
     label_sign: torch.Tensor | None,
     real: int,
     chunk: int | None,
+    restrict: KeptSet | None = None,
 ) -> torch.Tensor:
     """The gradient of the logits (their full shape; zero on unused rows and padding columns).
 
@@ -134,6 +139,8 @@ def logits_grad(
         logp_only, label_sign: see :func:`chunk_grad`.
         real: columns of ``logits`` that are real tokens.
         chunk: rows per chunk (``None``: the policy).
+        restrict: the kept set of a truncating sampler (its saved thresholds):
+            logits outside it count as ``-inf`` and get a zero gradient.
     """
     cdt, dev = lse.dtype, logits.device
     src = RowSource(logits, real, row_index, narrow)
@@ -157,8 +164,13 @@ def logits_grad(
 
     def one_chunk(a: int, b: int, ws: Workspace) -> None:
         out = dst.get(a, b) if dst is not None else ws.get("gi", b - a, dtype=logits.dtype)
+        rows, col = src.rows(a, b, ws), temp.rows(a, b)
+        keep = None
+        if restrict is not None:
+            rows, keep, _ = restrict.chunk(a, b, rows, col, ws)
+            col = None
         chunk_grad(
-            src.rows(a, b, ws),
+            rows,
             ws,
             out,
             lse=lse_col[a:b],
@@ -166,10 +178,15 @@ def logits_grad(
             beta=beta[a:b] if beta is not None else None,
             w=w[a:b] if w is not None else None,
             labels=labels[a:b] if labels is not None else None,
-            temperature=temp.rows(a, b),
+            temperature=col,
             logp_only=logp_only,
             label_sign=label_sign[a:b] if label_sign is not None else None,
         )
+        if keep is not None:
+            # Outside the kept set the probability is 0: so is the gradient. (Inside it the
+            # probabilities use the kept set's log-sum-exp, at most 1, so the terms
+            # computed outside before this zeroing are finite.)
+            out.mul_(keep)  # keep: 1 / 0 (faster than masked_fill_ on CPUs)
         if dead_col is not None and (dead_rows is None or _any_in(dead_rows, a, b)):
             # An ignored row may hold NaN or inf logits: its gradient is an exact 0.
             out.masked_fill_(dead_col[a:b], 0)

@@ -13,6 +13,8 @@ the row). A NaN logit makes its row's statistics NaN.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rlmath.engine.execution import run_chunks
@@ -22,7 +24,17 @@ from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift, upc
 from rlmath.engine.torch_backend.rows import RowSource
 from rlmath.engine.tree import fold, tile_count, tile_sums
 
-__all__ = ["chunk_stats", "drop_dead_rows", "label_logits", "logits_max", "logits_stats"]
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
+
+__all__ = [
+    "chunk_stats",
+    "drop_dead_rows",
+    "kept_chunk_stats",
+    "label_logits",
+    "logits_max",
+    "logits_stats",
+]
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -65,6 +77,36 @@ def chunk_stats(
         t = tile_sums(e.mul_(y), nan=True)
     else:
         s = tile_sums(y.exp_())
+    return m.squeeze(-1), s, t
+
+
+def kept_chunk_stats(
+    z: torch.Tensor,
+    keep: torch.Tensor,
+    ws: Workspace,
+    *,
+    entropy: bool = False,
+    e: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
+
+    ``z``: ``(c, V)`` scaled logits in the compute dtype; ``keep``: ``(c, V)``
+    1 in the kept set (which holds each row's largest logit), 0 outside. The sums are those of ``z`` with
+    ``-inf`` outside ``keep``, term for term: ``exp`` is taken of the whole row
+    and the terms outside are zeroed (``exp(-inf)`` is slow on CPUs).
+    ``e``: ``exp(z - max z)`` already computed (with ``z - max z`` in
+    ``ws["ky"]``; :meth:`~rlmath.engine.sampling.KeptSet.chunk`), overwritten.
+    """
+    c = z.shape[0]
+    m = z.amax(-1, keepdim=True)
+    if e is not None:
+        y = ws.get("ky", c)
+    else:
+        y = torch.sub(z, m, out=ws.get("y", c))
+        e = torch.exp(y, out=ws.get("e", c))
+    e.mul_(keep)
+    s = tile_sums(e)
+    t = tile_sums(e.mul_(y), nan=True) if entropy else None
     return m.squeeze(-1), s, t
 
 
@@ -115,6 +157,7 @@ def logits_stats(
     chunk: int | None,
     dtype: torch.dtype,
     shift: torch.Tensor | None = None,
+    restrict: KeptSet | None = None,
 ) -> Stats:
     """:func:`chunk_stats` of every selected row of ``logits``, chunk by chunk.
 
@@ -130,6 +173,9 @@ def logits_stats(
         shift: ``(M,)`` the max of each row over the whole vocabulary, to shift
             by instead of the max of the columns read here (:func:`logits_max`
             of every shard, combined).
+        restrict: the kept set of a truncating sampler
+            (:class:`~rlmath.engine.sampling.KeptSet`): each chunk's logits
+            outside it count as ``-inf``. Single process only (no ``shift``).
 
     Returns:
         ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``; ``s``
@@ -160,13 +206,17 @@ def logits_stats(
         # per-tile arrays of all rows, and the tree's ops once per run.
         tiles: torch.Tensor | None = None
         for a, b in groups[i]:
-            cm, cs, ct = chunk_stats(
-                src.rows(a, b, ws),
-                ws,
-                temperature=temp.rows(a, b),
-                entropy=want_entropy,
-                shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
-            )
+            if restrict is not None:
+                z, keep, e = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
+                cm, cs, ct = kept_chunk_stats(z, keep, ws, entropy=want_entropy, e=e)
+            else:
+                cm, cs, ct = chunk_stats(
+                    src.rows(a, b, ws),
+                    ws,
+                    temperature=temp.rows(a, b),
+                    entropy=want_entropy,
+                    shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+                )
             m[a:b] = cm
             if per_tile:
                 s[a:b] = cs
