@@ -29,6 +29,10 @@ PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
 "${PIP[@]}" --no-deps verl==0.9.1
 "${PIP[@]}" packaging "numpy>=2.0.0" "ray>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
   "transformers>=5.5.3,<5.11,!=5.6.0" omegaconf codetiming
+#    verl's trainer and workers (test_compat_verl_workers.py: ray_trainer.compute_advantage,
+#    the FSDP engine's actor and critic on CPU) import these too.
+"${PIP[@]}" torchdata==0.11.0 tqdm==4.70.1 uvicorn==0.55.0 fastapi==0.165.0 hydra-core==1.3.8 \
+  dill==0.4.1 peft==0.21.2 pillow==13.0.0 cachetools==8.0.2
 
 # 3. TRL 0.24.0 without deps; trl.trainer.utils imports accelerate and pandas, and
 #    trl.trainer.grpo_trainer (the GRPO algorithm comparisons) imports datasets.
@@ -48,6 +52,8 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 import trl.trainer.utils  # noqa: F401
 import verl.trainer.ppo.core_algos  # noqa: F401
 import verl.utils.torch_functional  # noqa: F401
+import verl.trainer.ppo.ray_trainer  # noqa: F401
+import verl.workers.engine_workers  # noqa: F401
 
 import rlmath  # noqa: F401
 
