@@ -31,7 +31,7 @@ PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
   "transformers>=5.5.3,<5.11,!=5.6.0" omegaconf codetiming
 #    verl's trainer and workers (test_compat_verl_workers.py: ray_trainer.compute_advantage,
 #    the FSDP engine's actor and critic on CPU) import these too.
-"${PIP[@]}" torchdata==0.11.0 tqdm==4.70.1 uvicorn==0.55.0 fastapi==0.165.0 hydra-core==1.3.8 \
+"${PIP[@]}" torchdata==0.11.0 tqdm==4.70.1 uvicorn==0.55.0 fastapi==0.165.0 \
   dill==0.4.1 peft==0.21.2 pillow==13.0.0 cachetools==8.0.2
 
 # 3. TRL 0.24.0 without deps; trl.trainer.utils imports accelerate and pandas, and
