@@ -130,8 +130,9 @@ def test_compute_advantage_stock_vs_patched(advantages):
 # - a log-prob ``z_y - logsumexp(z)`` and an entropy ``logsumexp(z) - sum p z`` are a few
 #   roundings of quantities bounded by ``|value| + log V``: 2**4 u (|value| + log V);
 # - a metric is a token mean of per-token terms bounded by S (|A| (1 + eps_high) for the
-#   policy loss, log V for the entropy, the log-ratio for the KL, (|v| + |R| + clip)^2 for
-#   the value loss): recursive summation errs by at most N u S per side, doubled;
+#   policy loss, log V for the entropy, the log-ratio for the KL, the k3 term for the KL
+#   loss, (|v| + |R| + clip)^2 for the value loss): recursive summation errs by at most
+#   N u S per side, doubled;
 # - a clip fraction (one per micro-batch, or their mean) may differ by one token whose ratio
 #   is within rounding of 1 +- eps: at most 1 / (the shortest response), a micro-batch
 #   holding at least one response;
@@ -187,15 +188,19 @@ def _metric_scales(run: dict, meta: dict) -> dict[str, float]:
     returns = float(run["inputs"]["returns"].abs().max())
     values = float(run["values"].abs().max())
     log_v = math.log(meta["vocab"])
-    policy = adv * (1 + meta["clip_ratio_high"]) + meta["entropy_coeff"] * log_v
     value = (values + returns + meta["cliprange_value"]) ** 2
     # The update's first forward uses the weights the old log-probs came from: the log-ratio
-    # is the behaviour policy's shift.
+    # to the behaviour policy is its shift, and the reference's k3 term exp(d) - d - 1 is
+    # bounded by exp(|d|) + |d| + 1 with d the reference's shift.
     shift = float((run["inputs"]["old_log_probs"] - run["old_log_probs"]).abs().max())
+    ref = float((run["inputs"]["ref_log_prob"] - run["old_log_probs"]).abs().max())
+    kl = math.exp(ref) + ref + 1
+    pg = adv * (1 + meta["clip_ratio_high"])
+    policy = pg + meta["entropy_coeff"] * log_v + meta["kl_loss_coef"] * kl
     return {
-        "actor/pg_loss": policy, "actor/entropy_loss": log_v, "actor/ppo_kl": shift,
-        "actor/loss": policy, "critic/vf_loss": value, "critic/loss": value,
-        "critic/vpred_mean": values,
+        "actor/pg_loss": pg, "actor/entropy_loss": log_v, "actor/ppo_kl": shift,
+        "actor/kl_loss": kl, "actor/loss": policy, "critic/vf_loss": value,
+        "critic/loss": value, "critic/vpred_mean": values,
     }  # fmt: skip
 
 
@@ -215,7 +220,7 @@ def test_update_metrics(workers, setting, role):
         if key.startswith(NON_MATH):
             continue
         for a, b in zip(got["value"], want["value"], strict=True):
-            if key == "lr":
+            if key in ("lr", "kl_coef"):  # configuration, passed through
                 assert a == b, key
             elif "clipfrac" in key:
                 assert abs(a - b) <= 1.0 / shortest, key

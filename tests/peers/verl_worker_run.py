@@ -39,7 +39,7 @@ from typing import Any
 
 B, PROMPT, RESPONSE, VOCAB = 4, 5, 6, 200
 TEMPERATURE = 0.8
-ENTROPY_COEFF, CLIP_HIGH, CLIP_VALUE = 0.01, 0.28, 0.5
+ENTROPY_COEFF, CLIP_HIGH, CLIP_VALUE, KL_COEF = 0.01, 0.28, 0.5, 0.1
 
 
 def _free_port() -> int:
@@ -199,6 +199,7 @@ def build_batch() -> Any:
         "advantages": torch.randn(B, RESPONSE, generator=gen) * response_mask,
         "returns": torch.randn(B, RESPONSE, generator=gen) * response_mask,
         "log_prob_shift": (torch.rand(B, RESPONSE, generator=gen) - 0.5) * response_mask,
+        "ref_shift": (torch.rand(B, RESPONSE, generator=gen) - 0.5) * response_mask,
     }
     return data, extra
 
@@ -238,7 +239,8 @@ def _workers(path: str, remove_padding: bool) -> tuple[Any, Any]:
     actor_cfg = FSDPActorConfig(
         strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2,
         use_torch_compile=False, entropy_coeff=ENTROPY_COEFF, use_remove_padding=remove_padding,
-        clip_ratio_low=0.2, clip_ratio_high=CLIP_HIGH, loss_agg_mode="token-mean",
+        clip_ratio_low=0.2, clip_ratio_high=CLIP_HIGH, use_kl_loss=True, kl_loss_coef=KL_COEF,
+        kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
         fsdp_config=engine(), optim=optim(),
     )  # fmt: skip
     critic_cfg = FSDPCriticConfig(
@@ -330,6 +332,8 @@ def one_step(path: str, remove_padding: bool) -> dict[str, Any]:
     # The policy that sampled the batch is not the one being updated (a later mini-batch, an
     # asynchronous rollout): its log-probs differ by up to ~0.5 nats, so the update clips.
     behaviour = out["old_log_probs"] + extra.pop("log_prob_shift")
+    # The reference policy (the KL loss's) is another one again.
+    extra["ref_log_prob"] = out["old_log_probs"] + extra.pop("ref_shift")
     data = data.union(
         DataProto.from_dict(tensors={"old_log_probs": behaviour, "values": out["values"], **extra})
     )
@@ -355,7 +359,8 @@ def one_step(path: str, remove_padding: bool) -> dict[str, Any]:
     out["critic_metrics"] = _metrics(tu.get(critic.train_mini_batch(td), "metrics"))
     out["critic_params"] = _params(critic)
     out["response_mask"] = data.batch["response_mask"].bool()
-    out["inputs"] = {k: data.batch[k].clone() for k in ("advantages", "returns", "old_log_probs")}
+    inputs = ("advantages", "returns", "old_log_probs", "ref_log_prob")
+    out["inputs"] = {k: data.batch[k].clone() for k in inputs}
     out["optimizer"] = {
         role: {k: worker.engine.optimizer.param_groups[0][k] for k in ("lr", "eps", "weight_decay")}
         for role, worker in (("actor", actor), ("critic", critic))
@@ -404,6 +409,7 @@ def main() -> None:
         "losses.get_policy_loss_fn('vanilla')": losses.get_policy_loss_fn("vanilla").__module__,
         "losses.agg_loss": losses.agg_loss.__module__,
         "losses.compute_value_loss": losses.compute_value_loss.__module__,
+        "losses.kl_penalty": losses.kl_penalty.__module__,
     }
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -413,7 +419,7 @@ def main() -> None:
             results[f"remove_padding={remove_padding}"] = one_step(tmp, remove_padding)
     meta = {
         "vocab": VOCAB, "entropy_coeff": ENTROPY_COEFF, "clip_ratio_high": CLIP_HIGH,
-        "cliprange_value": CLIP_VALUE,
+        "cliprange_value": CLIP_VALUE, "kl_loss_coef": KL_COEF,
     }  # fmt: skip
     torch.save({"installed": sorted(installed), "used": used, "results": results, **meta}, opts.out)
     torch.distributed.destroy_process_group()
