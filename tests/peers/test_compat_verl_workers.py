@@ -38,9 +38,14 @@ import pytest
 from tests.peers.peer_helpers import import_verl
 
 import_verl("verl.trainer.ppo.core_algos")
-pytest.importorskip(
-    "torchdata", reason="verl.trainer.ppo.ray_trainer imports torchdata (setup_peers_env.sh)"
-)
+# What verl's ray_trainer and workers import beyond its math modules; a .venv-peers built
+# before setup_peers_env.sh installed them lacks them.
+for _module in ("torchdata", "tqdm", "uvicorn", "fastapi", "dill", "peft", "PIL", "cachetools"):
+    pytest.importorskip(
+        _module,
+        reason=f"verl's trainer and workers import {_module}: rebuild .venv-peers "
+        "(rm -rf .venv-peers && bash tests/peers/setup_peers_env.sh)",
+    )
 
 import torch  # noqa: E402
 

@@ -23,6 +23,11 @@ What running verl's workers on a CPU needs, none of which touches the math:
   runner maps to ``sdpa`` (flash-attention has no CPU build);
 - ``use_torch_compile=False`` (verl compiles its entropy function by default).
 
+The engine is FSDP2 (``strategy="fsdp2"``). verl's default, ``"fsdp"`` (FSDP1),
+cannot run on a CPU: verl wraps with ``sync_module_states=True``, and PyTorch's
+FSDP1 then requires the parameters on an accelerator ("The module has CPU
+parameters or buffers when `sync_module_states=True`").
+
     python -m tests.peers.verl_worker_run [--patched] OUT.pt
 """
 
