@@ -219,7 +219,7 @@ def _workers(path: str, remove_padding: bool) -> tuple[Any, Any]:
         FSDPOptimizerConfig,
         HFModelConfig,
         TrainingWorkerConfig,
-    )  # fmt: skip
+    )
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss, value_loss
 
@@ -230,9 +230,9 @@ def _workers(path: str, remove_padding: bool) -> tuple[Any, Any]:
             override_config={"attn_implementation": "sdpa"},
         )  # fmt: skip
 
-    def engine(forward_only: bool = False) -> Any:
+    def engine() -> Any:
         return FSDPEngineConfig(
-            strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, forward_only=forward_only,
+            strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
             mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         )  # fmt: skip
 
