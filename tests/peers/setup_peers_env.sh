@@ -35,9 +35,12 @@ PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
 if [ "$PEERS" = peers ]; then
   # 2. verl without its (huge) dependency list, then what its math modules import:
   #    verl/__init__ -> verl.protocol -> ray, tensordict, numpy, packaging;
-  #    torch_functional -> transformers; core_algos -> omegaconf; verl.utils -> codetiming.
+  #    torch_functional -> transformers; core_algos -> omegaconf; verl.utils -> codetiming;
+  #    and what its trainer and workers import (test_compat_verl_workers.py:
+  #    ray_trainer.compute_advantage, the FSDP engine's actor and critic on CPU).
   "${PIP[@]}" --no-deps verl
-  "${PIP[@]}" packaging numpy ray tensordict transformers omegaconf codetiming
+  "${PIP[@]}" packaging numpy ray tensordict transformers omegaconf codetiming \
+    torchdata tqdm uvicorn fastapi dill peft pillow cachetools
 fi
 
 # 3. TRL without deps; trl.trainer.utils imports accelerate and pandas, and
@@ -62,7 +65,9 @@ import trl.trainer.utils  # noqa: F401
 if os.environ["PEERS"] == "peers":
     # (TRL 0.24's trainer modules need a transformers-5 shim to import: the tests apply it.)
     import verl.trainer.ppo.core_algos  # noqa: F401
+    import verl.trainer.ppo.ray_trainer  # noqa: F401
     import verl.utils.torch_functional  # noqa: F401
+    import verl.workers.engine_workers  # noqa: F401
 else:
     import trl.trainer.grpo_trainer  # noqa: F401
 
