@@ -287,14 +287,16 @@ def logits_forward(
     real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
     live = lab.live if lab is not None else None
     kernels = get_kernels(cfg.backend)
-    M = num_rows(logits, row_index, cfg.narrow)
-    tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
-    count = torch.zeros(M, dtype=cdt, device=dev)
-    kept_set = _kept_set(
-        cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau,
-        count=count if cfg.kept_stats else None, forward=True,
-    )  # fmt: skip
-    extra = {"restrict": kept_set} if kept_set is not None else {}
+    kept_set, extra = None, {}
+    if cfg.sampler:
+        M = num_rows(logits, row_index, cfg.narrow)
+        tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
+        count = torch.zeros(M, dtype=cdt, device=dev)
+        kept_set = _kept_set(
+            cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau,
+            count=count if cfg.kept_stats else None, forward=True,
+        )  # fmt: skip
+        extra = {"restrict": kept_set}
     z_labels = None
     if row_index is not None and logits.shape[0] == 0:
         # No packed rows at all: every selected row is dead.
