@@ -55,7 +55,10 @@ U = 2.0**-24  # fp32 unit roundoff
 
 def _run(module: str, out: Path, *args: str, timeout: int = 600) -> dict:
     cmd = [sys.executable, "-m", f"tests.peers.{module}", *args, str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # This checkout's rlmath first (whichever rlmath the environment installed), and
+    # the repository root for the runner modules under tests/.
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
@@ -279,3 +282,76 @@ def test_the_cpu_harness_packs_sequences_as_verl_pads_them(workers):
     for key in ("old_log_probs", "entropys"):
         tol = 2**6 * U * (padded[key].abs() + log_v)
         assert torch.all((packed[key] - padded[key]).abs()[mask] <= tol[mask]), key
+
+
+# --------------------------------------------------------------------------- bf16
+#
+# The same step under verl's default mixed precision (``--bf16``: fp32 master weights, bf16
+# forward under autocast), stock and patched, against the fp32 stock run above as the
+# reference. Two sources of error add up in a bf16 log-prob: the model's bf16 forward pass
+# (its logits), which rlmath does not touch, and the log-softmax of those logits. The
+# runner records the logits each log-prob and entropy call received and a float64
+# log-softmax of them, which separates the two:
+# - the logits are bitwise equal stock and patched (the model part is the same);
+# - rlmath's log-softmax of bf16 logits is computed in fp32: within 2**4 u (|value| + log V)
+#   of the float64 one, as in fp32 above; verl's runs in bf16 on a CPU and is further off;
+# - so the whole log-prob and entropy, and the entropy the update reports, are closer to the
+#   fp32 reference patched than stock.
+# On CUDA, autocast runs ``log_softmax`` in fp32 and verl's log-softmax part is then as
+# accurate as rlmath's; the model part is the same on both sides either way.
+
+
+@pytest.fixture(scope="module")
+def workers_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    tmp = tmp_path_factory.mktemp("verl_workers_bf16")
+    stock = _run("verl_worker_run", tmp / "stock.pt", "--bf16")
+    patched = _run("verl_worker_run", tmp / "patched.pt", "--patched", "--bf16")
+    assert stock["bf16"] and patched["bf16"]
+    return stock, patched
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_bf16_log_softmax_part(workers_bf16, setting):
+    stock, patched = (side["results"][setting] for side in workers_bf16)
+    log_v = math.log(workers_bf16[0]["vocab"])
+    for kind in ("log_probs", "entropy"):
+        theirs, ours = stock["log_softmax_calls"][kind], patched["log_softmax_calls"][kind]
+        assert theirs and len(ours) == len(theirs), kind
+        for call_theirs, call_ours in zip(theirs, ours, strict=True):
+            assert call_ours["logits"].dtype == torch.bfloat16, kind
+            assert torch.equal(call_ours["logits"], call_theirs["logits"]), kind
+            ref = call_ours["ref"]
+            ours_err = (call_ours["out"] - ref).abs()
+            assert torch.all(ours_err <= 2**4 * U * (ref.abs() + log_v)), kind
+            theirs_err = (call_theirs["out"] - call_theirs["ref"]).abs()
+            assert float(ours_err.max()) < float(theirs_err.max()), kind
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_bf16_log_probs_and_entropy_closer_to_fp32(workers, workers_bf16, setting):
+    reference = workers[0]["results"][setting]  # stock verl in fp32
+    stock, patched = (side["results"][setting] for side in workers_bf16)
+    mask = reference["response_mask"]
+    for key in ("old_log_probs", "entropys"):
+        theirs = (stock[key] - reference[key]).abs()[mask]
+        ours = (patched[key] - reference[key]).abs()[mask]
+        assert float(ours.max()) < float(theirs.max()), key
+        assert float(ours.mean()) < float(theirs.mean()), key
+    assert torch.equal(patched["values"], stock["values"])  # no rlmath function in the critic
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_bf16_update_metrics(workers, workers_bf16, setting, role):
+    stock, patched = (side["results"][setting] for side in workers_bf16)
+    theirs, ours = stock[f"{role}_metrics"], patched[f"{role}_metrics"]
+    assert list(ours) == list(theirs), "metric keys differ"
+    for key, want in theirs.items():
+        assert ours[key]["type"] == want["type"], key
+        assert all(math.isfinite(v) for v in ours[key]["value"]), key
+    if role == "actor":
+        reference = workers[0]["results"][setting]["actor_metrics"]["actor/entropy_loss"]["value"]
+        want = theirs["actor/entropy_loss"]["value"]
+        got = ours["actor/entropy_loss"]["value"]
+        for r, a, b in zip(reference, got, want, strict=True):
+            assert abs(a - r) < abs(b - r), (a, b, r)

@@ -10,6 +10,14 @@ entropy (``_compute_old_log_prob``), values (``_compute_values``),
 ``update_actor`` and ``update_critic`` (one mini-batch, one epoch), and saves
 what came out, the gradients and the updated parameters.
 
+With ``--bf16`` the engines run as verl runs them by default: fp32 master
+weights, bf16 compute (FSDP's ``MixedPrecision(param_dtype=bfloat16)`` and
+``torch.autocast``). The runner then also records, for each old log-prob
+pass, the logits handed to the log-prob and entropy functions and what each
+returned, with a float64 log-softmax of the same logits, so that the test
+can separate the error of the log-softmax from that of the model's bf16
+forward pass.
+
 What running verl's workers on a CPU needs, none of which touches the math:
 
 - a ``gloo`` process group of one rank (``RANK``/``WORLD_SIZE``/``MASTER_*``);
@@ -28,7 +36,7 @@ cannot run on a CPU: verl wraps with ``sync_module_states=True``, and PyTorch's
 FSDP1 then requires the parameters on an accelerator ("The module has CPU
 parameters or buffers when `sync_module_states=True`").
 
-    python -m tests.peers.verl_worker_run [--patched] OUT.pt
+    python -m tests.peers.verl_worker_run [--patched] [--bf16] OUT.pt
 """
 
 from __future__ import annotations
@@ -209,7 +217,7 @@ def build_batch() -> Any:
     return data, extra
 
 
-def _workers(path: str, remove_padding: bool) -> tuple[Any, Any]:
+def _workers(path: str, remove_padding: bool, bf16: bool) -> tuple[Any, Any]:
     from functools import partial
 
     from verl.workers.config import (
@@ -231,9 +239,12 @@ def _workers(path: str, remove_padding: bool) -> tuple[Any, Any]:
         )  # fmt: skip
 
     def engine() -> Any:
+        # bf16: verl's default mixed precision (fp32 master weights, bf16 forward and
+        # backward under autocast, fp32 gradient reduction).
+        compute = "bf16" if bf16 else "fp32"
         return FSDPEngineConfig(
             strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
-            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            mixed_precision={"param_dtype": compute, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         )  # fmt: skip
 
     def optim() -> Any:
@@ -311,12 +322,50 @@ def _metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def one_step(path: str, remove_padding: bool) -> dict[str, Any]:
+class _Recorder:
+    """Records the inputs and outputs of the log-prob and entropy functions while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: dict[str, list[dict[str, Any]]] = {"log_probs": [], "entropy": []}
+
+    def wrap(self, fn: Any, kind: str) -> Any:
+        import functools
+
+        import torch
+
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if self.on:
+                logits = kwargs["logits"] if "logits" in kwargs else args[0]
+                ref = torch.log_softmax(logits.detach().double(), -1)
+                if kind == "log_probs":
+                    labels = kwargs["labels"] if "labels" in kwargs else args[1]
+                    ref = ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                else:
+                    ref = -(ref.exp() * ref).sum(-1)
+                self.calls[kind].append(
+                    {"logits": logits.detach().clone(), "out": out.detach().double(), "ref": ref}
+                )
+            return out
+
+        return recorded
+
+    def take(self) -> dict[str, list[dict[str, Any]]]:
+        calls, self.calls = self.calls, {"log_probs": [], "entropy": []}
+        return calls
+
+
+RECORDER = _Recorder()
+
+
+def one_step(path: str, remove_padding: bool, bf16: bool) -> dict[str, Any]:
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    actor, critic = _workers(path, remove_padding)
+    actor, critic = _workers(path, remove_padding, bf16)
     data, extra = build_batch()
     out: dict[str, Any] = {}
 
@@ -325,7 +374,10 @@ def one_step(path: str, remove_padding: bool) -> dict[str, Any]:
     tu.assign_non_tensor(
         td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False
     )
+    RECORDER.on = bf16
     result = actor.infer_batch(td)
+    RECORDER.on = False
+    out["log_softmax_calls"] = RECORDER.take()
     out["old_log_probs"] = no_padding_2_padding(tu.get(result, "log_probs"), td).float()
     out["entropys"] = no_padding_2_padding(tu.get(result, "entropy"), td).float()
     # RayPPOTrainer._compute_values
@@ -378,6 +430,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--patched", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="verl's default bf16 mixed precision")
     opts = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.update(
@@ -416,15 +469,19 @@ def main() -> None:
         "losses.compute_value_loss": losses.compute_value_loss.__module__,
         "losses.kl_penalty": losses.kl_penalty.__module__,
     }
+    if opts.bf16:
+        # Built after this, the engines bind these names: every call goes through the recorder.
+        impl.logprobs_from_logits = RECORDER.wrap(impl.logprobs_from_logits, "log_probs")
+        verl_F.entropy_from_logits = RECORDER.wrap(verl_F.entropy_from_logits, "entropy")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_model(tmp)
         for remove_padding in (False, True):
             torch.manual_seed(0)
-            results[f"remove_padding={remove_padding}"] = one_step(tmp, remove_padding)
+            results[f"remove_padding={remove_padding}"] = one_step(tmp, remove_padding, opts.bf16)
     meta = {
         "vocab": VOCAB, "entropy_coeff": ENTROPY_COEFF, "clip_ratio_high": CLIP_HIGH,
-        "cliprange_value": CLIP_VALUE, "kl_loss_coef": KL_COEF,
+        "cliprange_value": CLIP_VALUE, "kl_loss_coef": KL_COEF, "bf16": opts.bf16,
     }  # fmt: skip
     torch.save({"installed": sorted(installed), "used": used, "results": results, **meta}, opts.out)
     torch.distributed.destroy_process_group()
