@@ -63,7 +63,10 @@ def _run(tmp: Path, patched: bool) -> dict:
     cmd = [sys.executable, "-m", "tests.peers.trl_trainer_run", str(out), *RUNS]
     if patched:
         cmd.append("--patched")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # This checkout's rlmath first (whichever rlmath the environment installed), and
+    # the repository root for the runner modules under tests/.
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -171,7 +174,10 @@ print("ok")
 
 
 def test_install_uninstall_round_trip_in_a_fresh_process():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This checkout's rlmath first (whichever rlmath the environment installed), and
+    # the repository root for the runner modules under tests/.
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, "-c", _INSTALL_ROUND_TRIP, "1" if NEW_TRL else "0"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
