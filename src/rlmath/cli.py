@@ -87,6 +87,7 @@ MAX_PPO_EPOCHS = 100
 MAX_CLIP_RATIO = 1.0
 MAX_ENTROPY_COEF = 10.0
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MAX_TOP_K = 1_000_000
 MAX_WARMUP_STEPS = 100_000
 MAX_THREADS = 256
 MAX_DIGITS = 10
@@ -200,6 +201,27 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         default=d.temperature,
         help=f"sampling temperature, in {_range(MIN_TEMPERATURE, MAX_TEMPERATURE)} "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_number(int, 1, MAX_TOP_K),
+        default=None,
+        help=f"sample from the k most likely tokens only, in {_range(1, MAX_TOP_K)} "
+        "(default: no top-k); the trainer's log-probs use the same kept set",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_number(float, 0.0, 1.0, inclusive=False),
+        default=None,
+        help="sample from the smallest set of most likely tokens whose probability reaches p, "
+        "in (0, 1] (default: no top-p); the trainer's log-probs use the same kept set",
+    )
+    p.add_argument(
+        "--min-p",
+        type=_number(float, 0.0, 1.0),
+        default=None,
+        help="sample only tokens at least min-p times as likely as the most likely one, "
+        "in [0, 1] (default: no min-p); the trainer's log-probs use the same kept set",
     )
     p.add_argument(
         "--warmup-steps",
@@ -384,6 +406,9 @@ def _demo_config(args: argparse.Namespace, parser: argparse.ArgumentParser):  # 
         clip_ratio=args.clip_ratio,
         entropy_coef=args.entropy_coef,
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
         dtype=args.dtype,
         fsdp=args.fsdp,
         tp=args.tp,
@@ -413,6 +438,11 @@ def _check_processes(
     if world is not None and args.nproc > 1:
         parser.error(
             "--nproc starts its own processes: under torchrun (WORLD_SIZE is set) leave it out"
+        )
+    if cfg.tp > 1 and cfg.truncation:
+        parser.error(
+            "--top-k / --top-p / --min-p need --tp 1: the vocabulary-parallel head computes "
+            "log-probs over the whole vocabulary only"
         )
     if cfg.tp > 1 and cfg.model != "tiny":
         parser.error(

@@ -41,6 +41,11 @@ from rlmath.cli import build_parser, main
         (["demo", "--warmup-steps", "1e9"], "--warmup-steps: expected an integer"),
         (["demo", "--threads", "100000"], "--threads: must be <= 256"),
         (["demo", "--max-len", "11"], "--max-len: must be <= 10"),
+        (["demo", "--top-p", "0"], "--top-p: must be > 0, got 0"),
+        (["demo", "--top-p", "1.5"], "--top-p: must be <= 1, got 1.5"),
+        (["demo", "--top-k", "0"], "--top-k: must be >= 1, got 0"),
+        (["demo", "--min-p", "-0.1"], "--min-p: must be >= 0"),
+        (["demo", "--tp", "2", "--top-p", "0.5"], "--top-k / --top-p / --min-p need --tp 1"),
         ([], "required: COMMAND"),
     ],
 )
@@ -105,6 +110,9 @@ def test_help_lists_the_documented_flags():
         "--seed",
         "--device",
         "--out",
+        "--top-k",
+        "--top-p",
+        "--min-p",
     ):
         assert flag in out
 

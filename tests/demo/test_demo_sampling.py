@@ -65,7 +65,7 @@ def _sample(model, task, digits, rows):
     return generate(
         model, ids, mask, max_new_tokens=task.max_response_len, eos_id=task.vocab.eos_id,
         pad_id=task.vocab.pad_id, uniforms=sample_uniforms(0, 1, rows, task.max_response_len),
-    )  # fmt: skip
+    ).tokens  # fmt: skip
 
 
 def test_a_samples_tokens_do_not_depend_on_its_batch(model_and_prompts):
@@ -84,7 +84,8 @@ def test_sampling_needs_uniforms(model_and_prompts):
     with pytest.raises(ValueError, match=r"uniforms of shape \(1, 6\)"):
         generate(model, ids, mask, max_new_tokens=6, eos_id=3, pad_id=0)
     greedy = generate(model, ids, mask, max_new_tokens=6, eos_id=3, pad_id=0, temperature=0)
-    assert greedy.shape == (1, 6)
+    assert greedy.tokens.shape == (1, 6)
+    assert torch.equal(greedy.log_probs, torch.zeros(1, 6, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(("n", "n_mini", "ranks"), [(16, 2, 2), (8, 4, 4), (12, 5, 3), (4, 4, 2)])

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import rlmath
+from rlmath.demo.config import Truncation
 from rlmath.demo.model import DemoLM
 from rlmath.demo.vocab_parallel_head import VocabParallelLMHead
 
@@ -67,6 +68,7 @@ class Rollout:
     response_mask: torch.Tensor  # [B, R] int64, 1 up to and including <eos>
     index: torch.Tensor  # [B] int64
     scores: torch.Tensor | None = None  # [B] fp32 task reward
+    rollout_log_prob: torch.Tensor | None = None  # [B, R] fp64, the sampler's
     old_log_prob: torch.Tensor | None = None  # [B, R]
     ref_log_prob: torch.Tensor | None = None  # [B, R]
     values: torch.Tensor | None = None  # [B, R]
@@ -142,6 +144,7 @@ class ResponseModel(nn.Module):
         with_log_prob: bool = True,
         with_entropy: bool = False,
         with_values: bool = False,
+        truncation: Truncation | None = None,
     ) -> Any:
         """Without ``response_mask``: logits ``[B, 1, V]`` of the last position (sampling).
 
@@ -161,6 +164,7 @@ class ResponseModel(nn.Module):
             with_log_prob=with_log_prob,
             with_entropy=with_entropy,
             with_values=with_values,
+            truncation=truncation,
         )
 
 
@@ -172,6 +176,7 @@ def response_forward(
     with_log_prob: bool = True,
     with_entropy: bool = False,
     with_values: bool = False,
+    truncation: Truncation | None = None,
 ) -> ResponseOutputs:
     """Log-probs (and entropies, values) of the response tokens, via the packed path.
 
@@ -180,7 +185,10 @@ def response_forward(
     at ``temperature``; ``entropy[b, t]`` is the entropy of that
     distribution; ``values[b, t]`` is the value head's estimate at the state
     *before* token ``t`` (the position whose hidden state predicts it).
-    Gradients flow to the model unless the caller disables them.
+    ``truncation`` (``top_k`` / ``top_p`` / ``min_p``, as rlmath's
+    log-probs functions take them): the log-probs and entropy are those of
+    the sampler's kept set, renormalised (vLLM's rule), as the rollout drew
+    from it. Gradients flow to the model unless the caller disables them.
     """
     out = model(
         batch.input_ids,
@@ -191,6 +199,7 @@ def response_forward(
         with_log_prob=with_log_prob,
         with_entropy=with_entropy,
         with_values=with_values,
+        truncation=truncation,
     )
     return ResponseOutputs(**out)
 
@@ -206,6 +215,7 @@ def _response_outputs(
     with_log_prob: bool,
     with_entropy: bool,
     with_values: bool,
+    truncation: Truncation | None = None,
 ) -> dict[str, torch.Tensor]:
     b, s = ids.shape
     r = response_mask.shape[1]
@@ -218,22 +228,38 @@ def _response_outputs(
         # tokens at [S - R, S) are scored by positions [S - R - 1, S - 1).
         return rlmath.pad_input(packed.unsqueeze(-1), indices, b, s)[:, s - r - 1 : s - 1, 0]
 
-    out: dict[str, torch.Tensor] = {"log_prob": torch.zeros(b, r, dtype=dtype, device=ids.device)}
-    head = model.lm_head
-    if (with_log_prob or with_entropy) and isinstance(head, VocabParallelLMHead):
+    def packed_labels() -> torch.Tensor:
         # Labels of the packed positions: the next token of the same sequence
-        # (-100 where there is none); the logits are never formed.
+        # (-100 where there is none).
         valid = mask.bool()
         nxt_valid = torch.zeros_like(valid)
         nxt_valid[:, :-1] = valid[:, 1:]
         labels = torch.full_like(ids, -100)
         labels[:, :-1] = ids[:, 1:]
-        labels = torch.where(nxt_valid, labels, -100).flatten()[indices]
+        return torch.where(nxt_valid, labels, -100).flatten()[indices]
+
+    out: dict[str, torch.Tensor] = {"log_prob": torch.zeros(b, r, dtype=dtype, device=ids.device)}
+    head = model.lm_head
+    if (with_log_prob or with_entropy) and isinstance(head, VocabParallelLMHead):
+        if truncation:
+            raise ValueError(
+                "top_k / top_p / min_p need the whole vocabulary on each rank (tp = 1)"
+            )
+        # The logits are never formed.
         log_prob, entropy = head.log_probs_and_entropy(
-            hidden_rmpad, labels, temperature=temperature, with_entropy=with_entropy
+            hidden_rmpad, packed_labels(), temperature=temperature, with_entropy=with_entropy
         )
         out["log_prob"] = to_response(log_prob)
         if entropy is not None:
+            out["entropy"] = to_response(entropy)
+    elif (with_log_prob or with_entropy) and truncation:
+        # Under the sampler's kept set: one pass gives the log-probs and the entropy.
+        logits_rmpad = head(hidden_rmpad)  # [N, V]
+        log_prob, entropy = rlmath.log_probs_and_entropy_from_logits(
+            logits_rmpad, packed_labels(), temperature=temperature, **truncation
+        )
+        out["log_prob"] = to_response(log_prob)
+        if with_entropy:
             out["entropy"] = to_response(entropy)
     elif with_log_prob or with_entropy:
         logits_rmpad = head(hidden_rmpad)  # [N, V]

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
-__all__ = ["ALGOS", "ALGO_DEFAULTS", "DTYPES", "DemoConfig"]
+__all__ = ["ALGOS", "ALGO_DEFAULTS", "DTYPES", "DemoConfig", "Truncation"]
 
 ALGOS = ("ppo", "grpo")
 DTYPES = ("float32", "float64")
+
+
+class Truncation(TypedDict, total=False):
+    """A truncating sampler's arguments, as rlmath's log-probs functions take them."""
+
+    top_k: int
+    top_p: float
+    min_p: float
 
 
 @dataclass
@@ -59,6 +68,10 @@ class DemoConfig:
 
     # RL hyper-parameters shared by both algorithms.
     temperature: float = 1.0
+    # A truncating sampler (vLLM's rule); the trainer's log-probs use the same kept set.
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
     ppo_epochs: int = 2
     mini_batches: int = 2
     clip_ratio: float = 0.2
@@ -76,6 +89,18 @@ class DemoConfig:
     cliprange_value: float = 0.2
     kl_target: float = 0.05
     kl_horizon: int = 10_000
+
+    @property
+    def truncation(self) -> Truncation:
+        """The sampler's ``top_k`` / ``top_p`` / ``min_p`` that are set, as keyword arguments."""
+        out = Truncation()
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.min_p is not None:
+            out["min_p"] = self.min_p
+        return out
 
     @classmethod
     def for_algo(cls, algo: str, **overrides: object) -> DemoConfig:

@@ -73,8 +73,7 @@ class GRPOTrainer(Trainer):
         update = self.update_actor(batch)
         return {
             **self.rollout_metrics(batch),
-            "kl": float(stats["kl"]),
-            "entropy": float(stats["entropy"]),
+            **{name: float(value) for name, value in stats.items()},
             "clip_frac": update.get("pg_clipfrac", 0.0),
             "value_loss": float("nan"),
             **{k: v for k, v in update.items() if k != "pg_clipfrac"},

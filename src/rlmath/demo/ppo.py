@@ -136,8 +136,7 @@ class PPOTrainer(Trainer):
         update = self.update_actor(batch)
         return {
             **self.rollout_metrics(batch),
-            "kl": float(stats["kl"]),
-            "entropy": float(stats["entropy"]),
+            **{name: float(value) for name, value in stats.items()},
             "clip_frac": update.get("pg_clipfrac", 0.0),
             **critic,
             "kl_coef": beta,

@@ -32,6 +32,9 @@ def collect_rollout(
     step: int,
     device: torch.device,
     layout: Layout | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Rollout:
     """This rank's share of ``n_prompts`` prompts, ``group_size`` responses each, scored.
 
@@ -39,7 +42,10 @@ def collect_rollout(
     data-parallel wrapper). Rows ``i * group_size … (i + 1) * group_size - 1``
     answer global prompt ``i`` and carry ``index == i``; row ``k``'s tokens
     are drawn from the stream of ``(seed, step, k)``. ``Rollout.scores``
-    holds the task reward ``[B]`` (exactly 1.0 for a correct answer).
+    holds the task reward ``[B]`` (exactly 1.0 for a correct answer) and
+    ``Rollout.rollout_log_prob`` the sampler's log-probability of each response
+    token (``[B, R]``, at ``temperature`` under the kept set of ``top_k`` /
+    ``top_p`` / ``min_p``; 0 on padding), as a rollout engine reports it.
     """
     layout = layout or Layout()
     vocab = task.vocab
@@ -49,7 +55,7 @@ def collect_rollout(
     rows = range(first * group_size, stop * group_size)
     prompt_ids, prompt_mask = left_pad([task.prompt_ids(d) for d in digits], vocab.pad_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    responses = generate(
+    responses, sampled_log_probs = generate(
         policy,
         prompt_ids,
         prompt_mask,
@@ -59,10 +65,14 @@ def collect_rollout(
         temperature=temperature,
         uniforms=sample_uniforms(seed, step, rows, task.max_response_len),
         stop_early=not layout.distributed,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
     )
     index = torch.arange(first, stop, device=device).repeat_interleave(group_size)
     batch = make_rollout(prompt_ids, prompt_mask, responses, index, eos_id=vocab.eos_id)
     batch.scores = task.score(digits, responses.cpu()).to(device)
+    batch.rollout_log_prob = torch.where(batch.response_mask.bool(), sampled_log_probs, 0.0)
     return batch
 
 
@@ -100,7 +110,7 @@ def greedy_success_rate(
     first = layout.dp_rank * n_prompts // layout.dp
     digits = digits[first : (layout.dp_rank + 1) * n_prompts // layout.dp]
     prompt_ids, prompt_mask = left_pad([task.prompt_ids(d) for d in digits], vocab.pad_id)
-    responses = generate(
+    responses, _ = generate(
         policy,
         prompt_ids.to(device),
         prompt_mask.to(device),

@@ -11,18 +11,35 @@ model code free of cache plumbing.
 ``(seed, RL step, global sample index)`` (:func:`sample_uniforms`). So a
 sample's tokens are the same whichever rank generates it and whatever else is
 in its batch: an N-process run draws the tokens the one-process run draws.
+
+**A truncating sampler.** With ``top_k`` / ``top_p`` / ``min_p`` the demo
+samples as vLLM does (:func:`truncate_probs`: temperature, then min-p, then
+top-k, then top-p over what those kept, renormalised) and records the
+log-probability of each drawn token under that renormalised distribution,
+the number a rollout engine reports. It is written here from the rule
+itself, sorting each row, independently of rlmath's threshold search, so
+that the trainer's matched log-probs (``rlmath``'s ``top_p=`` etc.) are
+checked against a second implementation on every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from rlmath.demo.metrics import NonFiniteError
 
-__all__ = ["generate", "inverse_cdf_sample", "sample_seed", "sample_uniforms"]
+__all__ = [
+    "Sampled",
+    "generate",
+    "inverse_cdf_sample",
+    "sample_seed",
+    "sample_uniforms",
+    "truncate_probs",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -64,6 +81,49 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def truncate_probs(
+    probs: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> torch.Tensor:
+    """vLLM's kept set: ``probs`` ``[B, V]`` with every token outside it set to 0 (not renormalised).
+
+    Applied in vLLM's order: min-p keeps ``p_j >= min_p · max p``; top-k the
+    ``k`` largest (every token tied with the ``k``-th too); top-p, over the
+    distribution those two kept renormalised, the smallest prefix of the
+    sorted tokens whose mass reaches ``top_p`` (a token is kept when the mass
+    of the tokens sorted before it is below ``top_p``; tokens tied with the
+    last one kept are kept too). The largest token is always kept.
+    """
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if min_p is not None and min_p > 0:
+        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
+    if top_k is not None and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, -1).values[:, -1:]
+        keep &= probs >= kth
+    if top_p is not None and top_p < 1:
+        q = torch.where(keep, probs, 0.0)
+        ordered = q.sort(-1, descending=True).values
+        before = ordered.cumsum(-1) - ordered  # mass sorted before each token
+        inside = before < top_p * ordered.sum(-1, keepdim=True)
+        last = (inside.sum(-1, keepdim=True) - 1).clamp_min(0)
+        keep &= probs >= ordered.gather(-1, last)
+    return torch.where(keep, probs, 0.0)
+
+
+class Sampled(NamedTuple):
+    """What :func:`generate` drew: tokens, and their log-probabilities under the sampler."""
+
+    #: ``[B, max_new_tokens]`` int64, ``pad_id`` after each row's ``eos_id``.
+    tokens: torch.Tensor
+    #: ``[B, max_new_tokens]`` fp64: log-probability of each drawn token under the
+    #: distribution it was drawn from (temperature, then the kept set renormalised);
+    #: 0 after the row finished and under greedy decoding.
+    log_probs: torch.Tensor
+
+
 def _first_bad(x: torch.Tensor) -> float:
     return float(x[~torch.isfinite(x)].flatten()[0])
 
@@ -80,11 +140,16 @@ def generate(
     temperature: float = 1.0,
     uniforms: torch.Tensor | None = None,
     stop_early: bool = True,
-) -> torch.Tensor:
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Sampled:
     """Sample responses ``[B, max_new_tokens]`` (int64) to left-padded prompts.
 
     ``prompt_ids`` / ``prompt_mask``: ``[B, P]``, prompts left-padded (mask 0 on
-    padding). Each row is sampled from ``softmax(logits / temperature)`` until
+    padding). Each row is sampled from ``softmax(logits / temperature)``,
+    restricted to the kept set of ``top_k`` / ``top_p`` / ``min_p``
+    (:func:`truncate_probs`) and renormalised, until
     it emits ``eos_id``; later positions hold ``pad_id``. Token ``t`` of row
     ``b`` is drawn with ``uniforms[b, t]`` (``[B, max_new_tokens]``, see
     :func:`sample_uniforms`); ``temperature == 0`` means greedy decoding (no
@@ -101,6 +166,7 @@ def generate(
     device = prompt_ids.device
     ids, mask = prompt_ids, prompt_mask
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    log_probs = torch.zeros(b, max_new_tokens, dtype=torch.float64, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         logits = model(ids, mask)[:, -1, :]
@@ -114,7 +180,10 @@ def generate(
         else:
             assert uniforms is not None
             probs = torch.softmax(logits.double() / temperature, dim=-1)
+            probs = truncate_probs(probs, top_k=top_k, top_p=top_p, min_p=min_p)
             nxt = inverse_cdf_sample(probs, uniforms[:, t]).to(device)
+            drawn = probs.gather(-1, nxt[:, None]).squeeze(-1) / probs.sum(-1)
+            log_probs[:, t] = torch.where(finished, 0.0, drawn.log())
         nxt = torch.where(finished, pad_id, nxt)
         out[:, t] = nxt
         finished = finished | (nxt == eos_id)
@@ -123,4 +192,4 @@ def generate(
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, (~finished | (nxt == eos_id)).to(mask.dtype)[:, None]], dim=1)
     model.train(model_was_training)
-    return out
+    return Sampled(out, log_probs)

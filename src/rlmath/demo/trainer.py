@@ -159,6 +159,7 @@ class Trainer(ABC):
             step=step,
             device=self.device,
             layout=self.layout,
+            **self.cfg.truncation,
         )
 
     def mean(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -213,25 +214,55 @@ class Trainer(ABC):
 
     @torch.no_grad()
     def score_rollout(self, batch: Rollout) -> dict[str, torch.Tensor]:
-        """Fill ``old_log_prob`` and ``ref_log_prob``; return the rollout's KL and entropy.
+        """Fill ``old_log_prob`` and ``ref_log_prob``; return the rollout's statistics.
 
         ``old_log_prob`` is recomputed by the training forward pass rather than
         taken from sampling, as verl does, so that the first PPO ratio is
-        exactly 1 whatever numerical differences sampling has.
+        exactly 1 whatever numerical differences sampling has. With a
+        truncating sampler every log-prob (and entropy) is taken over the
+        sampler's kept set, renormalised, as the rollout drew from it.
+
+        Returns the KL to the reference and the entropy (token means), and
+        how far the trainer's log-probs are from the sampler's: the mean of
+        the ratio ``π_trainer / π_sampler`` over the valid tokens
+        (``rollout_ratio``) and the fraction of tokens where it lies outside
+        ``[0.9, 1.1]`` (``rollout_ratio_outside``); ``rollout_ratio_full*``
+        are the same with the trainer's log-probs over the full vocabulary
+        (the same numbers when the sampler does not truncate).
         """
         mask = batch.response_mask
+        truncation = self.cfg.truncation
+        temperature = self.cfg.temperature
         cur = response_forward(
-            self.actor, batch, temperature=self.cfg.temperature, with_entropy=True
+            self.actor, batch, temperature=temperature, with_entropy=True, truncation=truncation
         )
-        ref = response_forward(self.ref, batch, temperature=self.cfg.temperature)
+        ref = response_forward(self.ref, batch, temperature=temperature, truncation=truncation)
         batch.old_log_prob, batch.ref_log_prob = cur.log_prob, ref.log_prob
         assert cur.entropy is not None
         # k3 is a non-negative, unbiased per-token estimate of KL(π‖π_ref).
         kl = rlmath.kl_penalty(cur.log_prob, ref.log_prob, "low_var_kl")
         stats = {"kl": self.mean(kl, mask), "entropy": self.mean(cur.entropy, mask)}
+        full = (
+            response_forward(self.actor, batch, temperature=temperature).log_prob
+            if truncation
+            else cur.log_prob
+        )
+        for name, log_prob in (("rollout_ratio", cur.log_prob), ("rollout_ratio_full", full)):
+            stats.update(self.rollout_ratio_stats(batch, log_prob, name))
         for name, value in stats.items():
             check_finite(name, value)
         return stats
+
+    def rollout_ratio_stats(
+        self, batch: Rollout, log_prob: torch.Tensor, name: str
+    ) -> dict[str, torch.Tensor]:
+        """``name``: the mean of ``exp(log_prob - rollout_log_prob)``; ``name_outside``: its
+        fraction of valid tokens outside ``[0.9, 1.1]`` (fp64, over every rank's tokens)."""
+        assert batch.rollout_log_prob is not None
+        mask = batch.response_mask
+        ratio = (log_prob.double() - batch.rollout_log_prob).exp()
+        outside = ((ratio < 0.9) | (ratio > 1.1)).double()
+        return {name: self.mean(ratio, mask), f"{name}_outside": self.mean(outside, mask)}
 
     def actor_loss(
         self,
@@ -272,8 +303,9 @@ class Trainer(ABC):
         for _ in range(cfg.ppo_epochs):
             for mb in self.minibatches(batch):
                 out = response_forward(
-                    self.actor, mb, temperature=cfg.temperature, with_entropy=True
-                )
+                    self.actor, mb, temperature=cfg.temperature, with_entropy=True,
+                    truncation=cfg.truncation,
+                )  # fmt: skip
                 assert out.entropy is not None
                 info = rlmath.global_batch_info(mb.response_mask, group=self.stats_group)
                 loss, metrics = self.actor_loss(mb, out.log_prob, out.entropy, info)
