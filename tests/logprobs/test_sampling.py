@@ -317,9 +317,41 @@ def test_bad_types_raise_type_error():
 def test_paths_without_truncation_support_raise():
     x, labels = torch.randn(3, 10), torch.tensor([1, 2, 3])
     with pytest.raises(NotImplementedError, match="vocab_parallel"):
-        log_probs_from_logits(x, labels, top_p=0.5, vocab_parallel=rlmath.VocabParallel())
+        log_probs_from_logits(
+            x, labels, kept=torch.ones(3, 10, dtype=torch.bool),
+            vocab_parallel=rlmath.VocabParallel(),
+        )  # fmt: skip
     with pytest.raises(NotImplementedError, match="torch"):
         log_probs_from_logits(x, labels, top_k=2, backend="triton")
+
+
+@pytest.mark.parametrize("combo", list(COMBOS), ids=str)
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_entropy_from_logits_under_the_kept_set(sampler, combo):
+    x, _ = _data(4)
+    kw = dict(COMBOS[combo], sampler=sampler, temperature=_T)
+    # The row's largest logit is in every kept set: as a label it adds nothing to it.
+    top = (x / _T.unsqueeze(-1)).argmax(-1)
+    leaf = x.clone().requires_grad_()
+    got = rlmath.entropy_from_logits(leaf, chunk_size=4, **kw)
+    ref_leaf = x.clone().requires_grad_()
+    _, want, _, _, _ = reference(ref_leaf, top, **kw)
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+    assert torch.equal(got, log_probs_and_entropy_from_logits(x, top, chunk_size=4, **kw)[1])
+    w = torch.linspace(-1, 1, N, dtype=torch.float64)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=0, atol=1e-12)
+
+
+def test_vocab_parallel_in_a_world_of_one_is_the_plain_call():
+    # Several processes: tests/distributed/test_vocab_parallel_sampling.py.
+    x, labels = torch.randn(6, 50), torch.tensor([1, 2, 3, 4, 5, 6])
+    kw = dict(top_k=9, top_p=0.7, min_p=0.01, temperature=0.9, kept_stats=True)
+    one = log_probs_and_entropy_from_logits(x, labels, **kw)
+    vp = log_probs_and_entropy_from_logits(x, labels, vocab_parallel=rlmath.VocabParallel(), **kw)
+    for a, b in zip(one, vp, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_no_input_is_modified():

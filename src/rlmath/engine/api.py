@@ -43,6 +43,7 @@ from rlmath.engine.truncation import (
     Truncation,
     check_truncation,
     no_truncation_paths,
+    truncation_columns,
 )
 
 __all__ = [
@@ -270,14 +271,14 @@ def log_probs_entropy(
         temperature, batch, x.device, validate=validate, shape_name=f"{logits_name}.shape[:-1]",
         device_of=logits_name,
     )  # fmt: skip
-    real = shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1]
     trunc = Truncation()
     if truncating:
         trunc = check_truncation(
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept,
-            kept_stats=kept_stats, batch=batch, rows=batch, width=x.shape[-1], real=real,
-            device=x.device, shape_name=f"{logits_name}.shape[:-1]",
-            rows_name=f"{logits_name}.shape[:-1]",
+            kept_stats=kept_stats, batch=batch, rows=batch, width=x.shape[-1],
+            real=truncation_columns(shard, x.shape[-1], vocab_parallel),
+            split=vocab_parallel is not None, device=x.device,
+            shape_name=f"{logits_name}.shape[:-1]", rows_name=f"{logits_name}.shape[:-1]",
         )  # fmt: skip
         if trunc.active:
             backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
@@ -472,8 +473,9 @@ def _response_truncation(
         return Truncation(), backend
     trunc = check_truncation(
         **truncation, batch=(B, S), rows=(B, R), width=x.shape[-1],
-        real=shard.real_columns(x.shape[-1]) if shard is not None else x.shape[-1],
-        device=x.device, shape_name="input_ids.shape", rows_name="(B, response_length)",
+        real=truncation_columns(shard, x.shape[-1], vocab_parallel),
+        split=vocab_parallel is not None, device=x.device, shape_name="input_ids.shape",
+        rows_name="(B, response_length)",
     )  # fmt: skip
     if not trunc.active:
         return trunc, backend

@@ -68,6 +68,10 @@ class Kernels:
     which the engine adds across shards in the fixed tree of
     :mod:`rlmath.engine.tree`: bitwise one process's result over a vocabulary
     split on the tile grid.
+
+    ``kept_thresholds`` (optional) finds a truncating sampler's global
+    thresholds over a vocabulary split between processes
+    (:func:`rlmath.engine.torch_backend.kept_shards.sharded_thresholds`).
     """
 
     logits_stats: Callable[..., Any]
@@ -79,6 +83,7 @@ class Kernels:
     pi_squared_stats: Callable[..., Any]
     head_tiles: Callable[..., tuple[int, int]] | None = None
     logits_max: Callable[..., Any] | None = None
+    kept_thresholds: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from rlmath._validation import result_dtype
 from rlmath.engine.backends import get_kernels
 from rlmath.engine.config import OpConfig
-from rlmath.engine.groups import ProcessGroup, resolve_group
+from rlmath.engine.groups import ProcessGroup, all_reduce, resolve_group
 from rlmath.engine.policy import auto_tile_sizes
 from rlmath.engine.sampling import KeptSet
 from rlmath.engine.stats import (
@@ -192,6 +192,48 @@ def _row_params(
     return t[row_index] if row_index is not None else t
 
 
+def _sampler_params(
+    cfg: OpConfig,
+    sampling: torch.Tensor | None,
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    real: int | None,
+    cdt: torch.dtype,
+) -> tuple[
+    torch.Tensor | int | None, torch.Tensor | float | None, torch.Tensor | float | None, int
+]:
+    """``(top_k, top_p, min_p, kmax)`` of the processed rows (scalars or ``(M,)`` tensors).
+
+    ``real``: the columns ``top_k`` is clamped to (``None``: the vocabulary is
+    split, its size is not known here).
+    """
+    rows = _row_params(sampling, tuple(logits.shape[:-1]), cfg.narrow, row_index)
+    top_k: torch.Tensor | int | None = None
+    top_p: torch.Tensor | float | None = None
+    min_p: torch.Tensor | float | None = None
+    kmax = 0
+    if cfg.sampler == "kept":
+        return top_k, top_p, min_p, kmax
+    if cfg.top_k == -1:
+        assert rows is not None
+        top_k = rows[:, 0].to(torch.int64).clamp_(1, max(real, 1) if real is not None else None)
+        kmax = int(top_k.max()) if top_k.numel() else 0  # one host read per call
+    elif cfg.top_k > 0:
+        top_k = cfg.top_k
+        kmax = min(cfg.top_k, real) if real is not None else cfg.top_k
+    if cfg.top_p == -1.0:
+        assert rows is not None
+        top_p = rows[:, 1].to(cdt)
+    elif cfg.top_p < 1.0:
+        top_p = cfg.top_p
+    if cfg.min_p == -1.0:
+        assert rows is not None
+        min_p = rows[:, 2].to(cdt)
+    elif cfg.min_p > 0.0:
+        min_p = cfg.min_p
+    return top_k, top_p, min_p, kmax
+
+
 def _kept_set(
     cfg: OpConfig,
     sampling: torch.Tensor | None,
@@ -209,29 +251,7 @@ def _kept_set(
     """The kept set of a truncating sampler for this call (``None``: the full vocabulary)."""
     if not cfg.sampler:
         return None
-    rows = _row_params(sampling, tuple(logits.shape[:-1]), cfg.narrow, row_index)
-    top_k: torch.Tensor | int | None = None
-    top_p: torch.Tensor | float | None = None
-    min_p: torch.Tensor | float | None = None
-    kmax = 0
-    if cfg.sampler != "kept":
-        if cfg.top_k == -1:
-            assert rows is not None
-            top_k = rows[:, 0].to(torch.int64).clamp_(1, max(real, 1))
-            kmax = int(top_k.max()) if top_k.numel() else 0  # one host read per call
-        elif cfg.top_k > 0:
-            top_k = cfg.top_k
-            kmax = min(cfg.top_k, real)
-        if cfg.top_p == -1.0:
-            assert rows is not None
-            top_p = rows[:, 1].to(cdt)
-        elif cfg.top_p < 1.0:
-            top_p = cfg.top_p
-        if cfg.min_p == -1.0:
-            assert rows is not None
-            min_p = rows[:, 2].to(cdt)
-        elif cfg.min_p > 0.0:
-            min_p = cfg.min_p
+    top_k, top_p, min_p, kmax = _sampler_params(cfg, sampling, logits, row_index, real, cdt)
     return KeptSet(
         cfg.sampler,
         top_k=top_k,
@@ -292,9 +312,20 @@ def logits_forward(
         M = num_rows(logits, row_index, cfg.narrow)
         tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
         count = torch.zeros(M, dtype=cdt, device=dev)
+        search = True
+        if group is not None and cfg.sampler != "kept":
+            # The thresholds are global: found over every shard first, then applied.
+            assert kernels.kept_thresholds is not None
+            top_k, top_p, min_p, kmax = _sampler_params(cfg, sampling, logits, row_index, None, cdt)
+            tau = kernels.kept_thresholds(
+                logits, row_index, cfg.narrow, temp, real, cfg.chunk_size, cdt,
+                sampler=cfg.sampler, top_k=top_k, top_p=top_p, min_p=min_p, kmax=kmax,
+                group=group,
+            )  # fmt: skip
+            search = False
         kept_set = _kept_set(
             cfg, sampling, kept, logits, row_index, lab, real, cdt, tau=tau,
-            count=count if cfg.kept_stats else None, forward=True,
+            count=count if cfg.kept_stats else None, forward=search,
         )  # fmt: skip
         extra = {"restrict": kept_set}
     z_labels = None
@@ -322,7 +353,7 @@ def logits_forward(
             )
             m, s, t, z = kernels.logits_stats(
                 *args, lab.local if lab is not None else None, temp, cfg.want_entropy, real,
-                cfg.chunk_size, cdt, shift=shift,
+                cfg.chunk_size, cdt, shift=shift, **extra,
             )  # fmt: skip
             sums, z_all, held = combine_tiles(
                 m, [x for x in (s, t) if x is not None], z, owned, cfg.shard, group
@@ -348,12 +379,20 @@ def logits_forward(
         ent = torch.where(live, ent, 0)
     aux, outside = _empty(cdt, dev), torch.empty(0, dtype=torch.bool, device=dev)
     if kept_set is not None:
-        aux = torch.stack([tau, count], -1)
-        found = _outside(kept_set, lab, z_labels)
-        if found is not None:
-            outside = found
-        elif lab is not None:
-            outside = torch.zeros(lab.local.shape, dtype=torch.bool, device=dev)
+        if group is not None and cfg.kept_stats:
+            count = all_reduce(count, "sum", group)  # each shard counted its own columns
+        aux = torch.stack([kept_set.tau, count], -1)
+        if group is not None and lab is not None and z_all is not None:
+            # The label's logit and the threshold are global: every rank flags the same labels.
+            valid = lab.valid if lab.valid is not None else torch.ones_like(lab.owned)
+            found = valid & (z_all < kept_set.tau.unsqueeze(-1))
+            outside = found & held if held is not None else found
+        else:
+            single = _outside(kept_set, lab, z_labels)
+            if single is not None:
+                outside = single
+            elif lab is not None:
+                outside = torch.zeros(lab.local.shape, dtype=torch.bool, device=dev)
     return logp, ent, lse, aux, outside
 
 

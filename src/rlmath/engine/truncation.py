@@ -17,7 +17,13 @@ import torch
 
 from rlmath.engine.sampling import SAMPLERS
 
-__all__ = ["SampledLogProbs", "Truncation", "check_truncation", "no_truncation_paths"]
+__all__ = [
+    "SampledLogProbs",
+    "Truncation",
+    "check_truncation",
+    "no_truncation_paths",
+    "truncation_columns",
+]
 
 
 class SampledLogProbs(NamedTuple):
@@ -213,6 +219,7 @@ def check_truncation(
     device: torch.device,
     shape_name: str,
     rows_name: str,
+    split: bool = False,
 ) -> Truncation:
     """Check the truncation arguments of one call.
 
@@ -222,10 +229,12 @@ def check_truncation(
         rows: the shape of the output rows ``kept`` is aligned with (``rows_name``).
         width: the logits' last dim; real: its real columns.
         device: the logits' device.
+        split: the vocabulary is split over processes (``vocab_parallel``).
 
     Raises:
         ValueError: a value out of range or a shape that does not fit, naming the argument.
         TypeError: a value of the wrong type.
+        NotImplementedError: ``kept`` with a split vocabulary.
 
     Per-row tensors are read on the host (one synchronisation) to check their
     values, except while ``torch.compile`` traces the call.
@@ -239,6 +248,12 @@ def check_truncation(
     k = _check_k(top_k, batch, device, shape_name)
     p = _check_fraction("top_p", top_p, batch, device, shape_name, open_low=True)
     mp = _check_fraction("min_p", min_p, batch, device, shape_name, open_low=False)
+    if kept is not None and split:
+        raise NotImplementedError(
+            "kept= (a replayed kept set) is not supported with vocab_parallel yet: pass "
+            "top_k / top_p / min_p (the kept set is then found over every shard), or the "
+            "whole vocabulary"
+        )
     if kept is not None:
         if k is not None or p is not None or mp is not None:
             raise ValueError(
@@ -284,17 +299,22 @@ def check_truncation(
     return Truncation(active=True, fields=fields, sampling=sampling)
 
 
+def truncation_columns(shard: Any, width: int, vocab_parallel: object) -> int:
+    """The vocabulary size a ``top_k`` is compared with: the real columns of a whole
+    vocabulary, the group's total for a shard whose layout follows from the shapes, and
+    no bound (``2**62``) for a shard placed by an explicit ``start``."""
+    real = shard.real_columns(width) if shard is not None else width
+    if vocab_parallel is None:
+        return int(real)
+    return int(shard.total) if shard is not None and shard.stride else 2**62
+
+
 def no_truncation_paths(trunc: Truncation, *, backend: object, vocab_parallel: object) -> str:
     """The backend of a truncating call (``"torch"``); other paths raise.
 
     Raises:
-        NotImplementedError: a vocabulary split over processes, or the Triton backend.
+        NotImplementedError: the Triton backend.
     """
-    if vocab_parallel is not None:
-        raise NotImplementedError(
-            "top_k, top_p, min_p, kept and kept_stats are not supported with vocab_parallel "
-            "yet: pass the whole vocabulary"
-        )
     if backend == "triton":
         raise NotImplementedError(
             "top_k, top_p, min_p, kept and kept_stats run on the pure-torch backend only; "

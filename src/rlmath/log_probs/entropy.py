@@ -6,6 +6,7 @@ import torch
 
 from rlmath.engine import api
 from rlmath.engine.config import VocabParallel
+from rlmath.log_probs.log_probs import KeptSetArg, Sampler
 
 __all__ = ["entropy_from_logits"]
 
@@ -19,6 +20,11 @@ def entropy_from_logits(
     chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept: KeptSetArg = None,
 ) -> torch.Tensor:
     """Shannon entropy ``H = -Σ_v p_v log p_v`` of ``p = softmax(logits / temperature)``.
 
@@ -39,6 +45,9 @@ def entropy_from_logits(
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check a tensor temperature is positive (a host sync; with
             ``vocab_parallel``, that every rank passes the same rows).
+        top_k, top_p, min_p, sampler, kept: the entropy of the distribution a
+            truncating sampler drew from, its kept set renormalised, as in
+            :func:`rlmath.log_probs.log_probs_from_logits` (``docs/sampling.md``).
 
     Returns:
         ``logits.shape[:-1]``, fp32 (fp64 for fp64 logits), differentiable
@@ -47,6 +56,7 @@ def entropy_from_logits(
     _, ent = api.log_probs_entropy(
         logits, None, temperature=temperature, want_entropy=True, ignore_index=None,
         chunk_size=chunk_size, backend=backend, validate=validate, vocab_size=vocab_size,
-        vocab_parallel=vocab_parallel,
+        vocab_parallel=vocab_parallel, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+        kept=kept,
     )  # fmt: skip
     return ent

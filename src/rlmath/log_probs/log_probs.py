@@ -136,7 +136,9 @@ def log_probs_from_logits(
         top_k: keep each row's ``k`` largest (temperature-scaled) logits before
             renormalising, as the rollout's sampler did: an int ``>= 1`` or an
             integer tensor broadcastable to ``logits.shape[:-1]`` (one per row,
-            like ``temperature``). ``None`` or ``k >= V``: no top-k.
+            like ``temperature``). ``None`` or ``k >= V``: no top-k. With
+            ``vocab_parallel`` the kept set is that of the whole vocabulary
+            (``docs/sampling.md``, "Vocabulary parallelism").
         top_p: keep the smallest head of the distribution whose mass reaches
             ``top_p`` (nucleus sampling): a float in ``(0, 1]`` or a tensor of
             them per row. ``None`` or 1: no top-p.
@@ -169,8 +171,8 @@ def log_probs_from_logits(
             ``(0, 1]``, ``top_k < 1``, ``min_p`` outside ``[0, 1]``, a per-row
             tensor or ``kept`` of the wrong shape, ...).
         NotImplementedError: ``top_k``, ``top_p``, ``min_p``, ``kept`` or
-            ``kept_stats`` with ``vocab_parallel``, DTensor inputs or
-            ``backend="triton"``.
+            ``kept_stats`` with DTensor inputs or ``backend="triton"``, or
+            ``kept`` with ``vocab_parallel``.
     """
     out = api.log_probs_entropy(
         logits, labels, temperature=temperature, want_entropy=False, ignore_index=ignore_index,

@@ -87,6 +87,7 @@ def kept_chunk_stats(
     *,
     entropy: bool = False,
     e: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
 
@@ -96,9 +97,11 @@ def kept_chunk_stats(
     and the terms outside are zeroed (``exp(-inf)`` is slow on CPUs).
     ``e``: ``exp(z - max z)`` already computed (with ``z - max z`` in
     ``ws["ky"]``; :meth:`~rlmath.engine.sampling.KeptSet.chunk`), overwritten.
+    ``shift``: ``(c, 1)`` the rows' max over every vocabulary shard, to shift by
+    instead of the max of these columns (then ``e`` is not given).
     """
     c = z.shape[0]
-    m = z.amax(-1, keepdim=True)
+    m = z.amax(-1, keepdim=True) if shift is None else shift
     if e is not None:
         y = ws.get("ky", c)
     else:
@@ -175,7 +178,8 @@ def logits_stats(
             of every shard, combined).
         restrict: the kept set of a truncating sampler
             (:class:`~rlmath.engine.sampling.KeptSet`): each chunk's logits
-            outside it count as ``-inf``. Single process only (no ``shift``).
+            outside it count as ``-inf``. With ``shift``, its thresholds are
+            given (found over every shard).
 
     Returns:
         ``(m, s, t, z_labels)`` for the ``M`` selected rows: ``m`` ``(M,)``; ``s``
@@ -208,7 +212,10 @@ def logits_stats(
         for a, b in groups[i]:
             if restrict is not None:
                 z, keep, e = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
-                cm, cs, ct = kept_chunk_stats(z, keep, ws, entropy=want_entropy, e=e)
+                cm, cs, ct = kept_chunk_stats(
+                    z, keep, ws, entropy=want_entropy, e=e,
+                    shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+                )  # fmt: skip
             else:
                 cm, cs, ct = chunk_stats(
                     src.rows(a, b, ws),

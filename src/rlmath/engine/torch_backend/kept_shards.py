@@ -1,0 +1,282 @@
+"""The kept set of a truncating sampler when the vocabulary is split over processes.
+
+A sampler keeps ``{j : z_j >= tau}`` of each row (:mod:`rlmath.engine.sampling`).
+Under vocabulary parallelism the threshold is global: :func:`sharded_thresholds`
+finds it from every shard's columns with collectives over the rows, and never
+gathers the vocabulary. Per call (``M`` rows, ``W`` ranks):
+
+- the rows' max: one all-reduce (max) of ``M`` floats;
+- min-p: one all-reduce (min) of ``M`` floats, each shard's smallest logit that
+  passes ``exp(z - max) >= min_p``;
+- top-k: one all-gather of each shard's ``kmax`` largest logits per row (the
+  global ``k``-th largest is the ``k``-th of their union), in row blocks of at
+  most 2²² values;
+- top-p: two all-reduces of a 32-bucket mass histogram per row (``M × 32``
+  float64 each: the bucket where the cut falls, then its sub-bucket), one
+  all-reduce of one integer (the most tokens a shard holds in a row's cut
+  sub-bucket) and an all-gather of those tokens' logits (in row blocks of at
+  most 2²² values).
+
+min-p and top-k are order statistics: their thresholds are those of one
+process. Top-p compares masses: each mass here is a sum over sub-buckets of
+width ``40/1024`` in ``z - max z`` (the buckets of one process's search), and
+the float32 weights ``exp(z - max z)`` of one sub-bucket lie within a factor
+``e^0.04`` (two binades), so their sum is exact in float64 for fewer than 2²⁸
+tokens, in any order and over any split. The kept set is therefore the same
+for every number of shards. One process's search sums in the compute dtype:
+the two agree except where a token's excluded mass is within rounding of
+``p · S``. Tokens more than 40 nats below the row's max (probability below
+``e^-40`` times the largest) carry no mass in this search: top-p with ``p < 1``
+never keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmath.engine.execution import run_chunks
+from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
+from rlmath.engine.policy import auto_chunk_size
+from rlmath.engine.sampling import _BUCKETS, _SPAN, Param
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
+from rlmath.engine.torch_backend.rows import RowSource
+
+__all__ = ["sharded_thresholds"]
+
+_NEG_INF = float("-inf")
+_FINE = 32  # sub-buckets per bucket of the first level: _BUCKETS = 32 · 32
+_GATHER_BUDGET = 1 << 22  # candidate logits per all-gather, over every rank
+
+
+def _scaled(src: torch.Tensor, col: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
+    """``src / T`` in the compute dtype, rounded as :meth:`KeptSet.chunk` rounds it."""
+    c = src.shape[0]
+    if col is None and src.dtype == ws.dtype:
+        return src
+    if col is not None:
+        return torch.div(src, col, out=ws.get("kz", c))
+    return ws.get("kz", c).copy_(src)
+
+
+def _column(value: torch.Tensor | float | int, a: int, b: int) -> torch.Tensor | float | int:
+    if isinstance(value, torch.Tensor):
+        return value[a:b].unsqueeze(-1)
+    return value
+
+
+def _weights(
+    z: torch.Tensor, m: torch.Tensor, base: torch.Tensor | None, ws: Workspace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, f)``: each token's float64 mass ``exp(z - m)`` (0 below ``base`` and in
+    sub-bucket 0) and its sub-bucket ``f`` in ``[0, 1024)`` (NaN: 0)."""
+    c = z.shape[0]
+    y = torch.sub(z, m, out=ws.get("ky", c))
+    w = torch.exp(y, out=ws.get("kw", c))
+    if base is not None:
+        w = w * (z >= base)
+    t = torch.mul(y, _BUCKETS / _SPAN, out=ws.get("kb", c)).add_(_BUCKETS)
+    t.clamp_(0, _BUCKETS - 1).nan_to_num_(0.0)
+    f = t.to(torch.int64)
+    w64 = torch.where(f == 0, 0.0, w.double())
+    return w64, f
+
+
+def _from_top(h: torch.Tensor, above: torch.Tensor | None = None) -> torch.Tensor:
+    """``T[:, b] = above + Σ_{b' >= b} h[:, b']``, added one bucket at a time from the top.
+
+    Without ``above`` the running sum itself (each step one float64 addition, so
+    ``T[:, b] = T[:, b + 1] + h[:, b]`` holds exactly); with it, ``above`` plus the
+    exact in-bucket sums.
+    """
+    out = torch.empty_like(h)
+    run = torch.zeros_like(h[:, 0])
+    for b in range(h.shape[1] - 1, -1, -1):
+        run = run + h[:, b]
+        out[:, b] = run
+    return out if above is None else above.unsqueeze(-1) + out
+
+
+def _highest_crossed(T: torch.Tensor, limit: torch.Tensor, strict: bool) -> torch.Tensor:
+    """The highest bucket whose mass from the top reaches ``limit`` (``(M,)``, clamped >= 0)."""
+    crossed = T >= limit.unsqueeze(-1) if strict else T > limit.unsqueeze(-1)
+    return (crossed.sum(-1) - 1).clamp_min(0)
+
+
+def sharded_thresholds(
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    narrow: tuple[int, int, int] | None,
+    temperature: Temperature,
+    real: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+    *,
+    sampler: str,
+    top_k: Param,
+    top_p: Param,
+    min_p: Param,
+    kmax: int,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """The global threshold ``tau`` ``(M,)`` of each selected row (``-inf``: keep every token).
+
+    ``logits`` holds this rank's ``real`` columns; ``top_k`` / ``top_p`` /
+    ``min_p`` and ``kmax`` as for :class:`~rlmath.engine.sampling.KeptSet`
+    (``(M,)`` tensors or scalars). Every rank of ``group`` calls this with the
+    same rows and parameters and gets the same thresholds.
+    """
+    dev = logits.device
+    src = RowSource(logits, real, row_index, narrow)
+    M = src.num_rows
+    chunk = chunk or auto_chunk_size(max(real, 1), max(M, 1), device=dev)
+    temp = TemperatureColumn(temperature, dtype, dev)
+    ranges = list(src.ranges(chunk)) if M and real else []
+
+    def scratch() -> Workspace:
+        return Workspace(min(chunk, max(M, 1)), max(real, 1), dtype, dev)
+
+    def passes(work) -> None:  # type: ignore[no-untyped-def]
+        run_chunks(ranges, work, scratch, dev)
+
+    def z_of(a: int, b: int, ws: Workspace) -> torch.Tensor:
+        return _scaled(src.rows(a, b, ws), temp.rows(a, b), ws)
+
+    # 1. The rows' max and, for top-k, each shard's kmax largest logits.
+    m = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
+    k_local = min(kmax, real) if top_k is not None else 0
+    heads = torch.full((M, max(kmax, 1)), _NEG_INF, dtype=dtype, device=dev)
+
+    def first(a: int, b: int, ws: Workspace) -> None:
+        z = z_of(a, b, ws)
+        m[a:b] = z.amax(-1)
+        if k_local:
+            heads[a:b, :k_local] = torch.topk(z, k_local, -1, sorted=True).values
+
+    passes(first)
+    m = all_reduce(m, "max", group)
+    m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
+    col = m.unsqueeze(-1)
+    tau = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
+    tau_k: torch.Tensor | None = None
+    if top_k is not None:
+        world = torch.distributed.get_world_size(group)
+        k = top_k if isinstance(top_k, torch.Tensor) else torch.full((M,), int(top_k), device=dev)
+        tau_k = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
+        block = max(1, _GATHER_BUDGET // (world * heads.shape[1]))
+        for r0 in range(0, M, block):
+            r1 = min(M, r0 + block)
+            union = all_gather(heads[r0:r1], group).permute(1, 0, 2).reshape(r1 - r0, -1)
+            ordered = torch.topk(union, min(kmax, union.shape[1]), -1, sorted=True).values
+            kr = k[r0:r1]
+            pick = (kr.clamp(1, max(ordered.shape[1], 1)) - 1).unsqueeze(-1)
+            kth = ordered.gather(1, pick).squeeze(-1) if ordered.shape[1] else tau_k[r0:r1]
+            tau_k[r0:r1] = torch.where(kr > ordered.shape[1], _NEG_INF, kth)
+        tau = torch.maximum(tau, tau_k)
+
+    # 2. min-p: the smallest logit that passes, over every shard.
+    if min_p is not None:
+        low = torch.full((M,), float("inf"), dtype=dtype, device=dev)
+        floor: torch.Tensor | float | int = min_p
+
+        def passing(a: int, b: int, ws: Workspace) -> None:
+            z = z_of(a, b, ws)
+            y = torch.sub(z, col[a:b], out=ws.get("ky", b - a))
+            w = torch.exp(y, out=ws.get("kw", b - a))
+            low[a:b] = torch.where(w >= _column(floor, a, b), z, float("inf")).amin(-1)
+
+        passes(passing)
+        tau = torch.maximum(tau, all_reduce(low, "min", group))
+    if top_p is None:
+        return tau
+
+    # 3. top-p over the candidates: min-p's and top-k's survivors (vLLM), top-k's (HF),
+    #    or the whole row (SGLang).
+    base: torch.Tensor | None = None
+    if sampler == "vllm" and (min_p is not None or top_k is not None):
+        base = tau.clone()
+    elif sampler == "hf":
+        base = tau_k
+    base_col = base.unsqueeze(-1) if base is not None else None
+    strict = sampler != "sglang"
+    h1 = torch.zeros(M, _FINE, dtype=torch.float64, device=dev)
+
+    def coarse(a: int, b: int, ws: Workspace) -> None:
+        w, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
+        h1[a:b].scatter_add_(1, f // _FINE, w)
+
+    passes(coarse)
+    T1 = _from_top(all_reduce(h1, "sum", group))
+    if isinstance(top_p, torch.Tensor):
+        p = top_p.double()
+    else:
+        p = torch.full((M,), float(top_p), dtype=torch.float64, device=dev)
+    limit = p * T1[:, 0]
+    c_star = _highest_crossed(T1, limit, strict)
+    nxt = (c_star + 1).clamp_max(_FINE - 1).unsqueeze(-1)
+    above1 = torch.where(c_star + 1 >= _FINE, 0.0, T1.gather(1, nxt).squeeze(-1))
+    h2 = torch.zeros(M, _FINE, dtype=torch.float64, device=dev)
+    first_fine = (c_star * _FINE).unsqueeze(-1)
+
+    def fine(a: int, b: int, ws: Workspace) -> None:
+        w, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
+        j = f - first_fine[a:b]
+        inside = (j >= 0) & (j < _FINE)
+        h2[a:b].scatter_add_(1, torch.where(inside, j, 0), torch.where(inside, w, 0.0))
+
+    passes(fine)
+    T2 = _from_top(all_reduce(h2, "sum", group), above1)
+    j_star = _highest_crossed(T2, limit, strict)
+    nxt = (j_star + 1).clamp_max(_FINE - 1).unsqueeze(-1)
+    above = torch.where(j_star + 1 >= _FINE, above1, T2.gather(1, nxt).squeeze(-1))
+    b_star = (c_star * _FINE + j_star).unsqueeze(-1)
+
+    # 4. The tokens of each row's cut sub-bucket, from every shard, sorted: the cut is the
+    #    last one whose excluded mass stays below the limit.
+    counts = torch.zeros(M, dtype=torch.int64, device=dev)
+
+    def count(a: int, b: int, ws: Workspace) -> None:
+        _, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
+        counts[a:b] = (f == b_star[a:b]).sum(-1)
+
+    passes(count)
+    most = counts.amax().reshape(1) if M else counts.new_zeros(1)
+    width = int(all_reduce(most, "max", group).item())  # one host read per call
+    tau_p = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
+    world = torch.distributed.get_world_size(group)
+    block = max(1, _GATHER_BUDGET // max(world * width, 1))
+    for r0 in range(0, M, block):
+        r1 = min(M, r0 + block)
+        cand = torch.full((r1 - r0, max(width, 1)), _NEG_INF, dtype=dtype, device=dev)
+
+        def collect(a: int, b: int, ws: Workspace, r0: int = r0, cand: torch.Tensor = cand) -> None:
+            z = z_of(a, b, ws)
+            _, f = _weights(z, col[a:b], _rows(base_col, a, b), ws)
+            hit = f == b_star[a:b]
+            rows, cols = hit.nonzero(as_tuple=True)
+            n = hit.sum(-1)
+            pos = torch.arange(rows.numel(), device=dev) - (n.cumsum(0) - n)[rows]
+            cand[rows + (a - r0), pos] = z[rows, cols]
+
+        run_chunks(
+            [(max(a, r0), min(b, r1)) for a, b in ranges if a < r1 and b > r0],
+            collect, scratch, dev,
+        )  # fmt: skip
+        vals = all_gather(cand, group).permute(1, 0, 2).reshape(r1 - r0, -1)
+        vals = vals.sort(-1, descending=True).values
+        real_c = vals > _NEG_INF
+        wv = torch.exp(vals - col[r0:r1])
+        if base_col is not None:
+            wv = wv * (vals >= base_col[r0:r1])
+        wv = torch.where(real_c, wv.double(), 0.0)
+        excl = above[r0:r1].unsqueeze(-1) + (wv.cumsum(-1) - wv)
+        lim = limit[r0:r1].unsqueeze(-1)
+        ok = (excl < lim if strict else excl <= lim) & real_c
+        n = ok.sum(-1, keepdim=True)
+        cut = vals.gather(1, (n - 1).clamp_min(0)).squeeze(-1)
+        tau_p[r0:r1] = torch.where(n.squeeze(-1) == 0, _NEG_INF, cut)
+    tau_p = torch.where(p >= 1.0, _NEG_INF, tau_p)
+    return torch.maximum(tau, tau_p)
+
+
+def _rows(col: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return col[a:b] if col is not None else None
