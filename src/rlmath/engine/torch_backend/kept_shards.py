@@ -11,17 +11,17 @@ gathers the vocabulary. Per call (``M`` rows, ``W`` ranks):
 - top-k: one all-gather of each shard's ``kmax`` largest logits per row (the
   global ``k``-th largest is the ``k``-th of their union), in row blocks of at
   most 2²² values;
-- top-p: two all-reduces of a 32-bucket mass histogram per row (``M × 32``
-  float64 each: the bucket where the cut falls, then its sub-bucket), one
-  all-reduce of one integer (the most tokens a shard holds in a row's cut
-  sub-bucket) and an all-gather of those tokens' logits (in row blocks of at
-  most 2²² values).
+- top-p: two all-reduces of a 32-bucket histogram per row (float64: the
+  masses per bucket, ``M × 32``, locating the bucket where the cut falls, then
+  the masses and token counts of its 32 sub-buckets, ``M × 64``) and an
+  all-gather of the logits in each row's cut sub-bucket (as wide as the
+  largest count, in row blocks of at most 2²² values).
 
 min-p and top-k are order statistics: their thresholds are those of one
 process. Top-p compares masses: each mass here is a sum over sub-buckets of
 width ``40/1024`` in ``z - max z`` (the buckets of one process's search), and
 the float32 weights ``exp(z - max z)`` of one sub-bucket lie within a factor
-``e^0.04`` (two binades), so their sum is exact in float64 for fewer than 2²⁸
+``e^0.04`` (two binades), so their sum is exact in float64 for fewer than 2²⁷
 tokens, in any order and over any split. The kept set is therefore the same
 for every number of shards. One process's search sums in the compute dtype:
 the two agree except where a token's excluded mass is within rounding of
@@ -46,6 +46,10 @@ __all__ = ["sharded_thresholds"]
 _NEG_INF = float("-inf")
 _FINE = 32  # sub-buckets per bucket of the first level: _BUCKETS = 32 · 32
 _GATHER_BUDGET = 1 << 22  # candidate logits per all-gather, over every rank
+# Masses at or below e^-40 (sub-bucket 0 and the bottom of sub-bucket 1) count as 0: every
+# sub-bucket's masses then lie within a factor e^0.04 (and a coarse bucket's within e^1.3),
+# so their float64 sums are exact.
+_FLOOR = float(torch.tensor(-_SPAN).exp())
 
 
 def _scaled(src: torch.Tensor, col: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
@@ -64,21 +68,30 @@ def _column(value: torch.Tensor | float | int, a: int, b: int) -> torch.Tensor |
     return value
 
 
-def _weights(
-    z: torch.Tensor, m: torch.Tensor, base: torch.Tensor | None, ws: Workspace
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, f)``: each token's float64 mass ``exp(z - m)`` (0 below ``base`` and in
-    sub-bucket 0) and its sub-bucket ``f`` in ``[0, 1024)`` (NaN: 0)."""
+def _positions(z: torch.Tensor, m: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """Each token's bucket coordinate ``t`` in ``[0, 1024)``: its sub-bucket is ``floor(t)``
+    (that of one process's search, :func:`rlmath.engine.sampling.chunk_threshold`; NaN: 0).
+    ``z - m`` stays in ``ws["ky"]``."""
     c = z.shape[0]
     y = torch.sub(z, m, out=ws.get("ky", c))
-    w = torch.exp(y, out=ws.get("kw", c))
-    if base is not None:
-        w = w * (z >= base)
     t = torch.mul(y, _BUCKETS / _SPAN, out=ws.get("kb", c)).add_(_BUCKETS)
-    t.clamp_(0, _BUCKETS - 1).nan_to_num_(0.0)
-    f = t.to(torch.int64)
-    w64 = torch.where(f == 0, 0.0, w.double())
-    return w64, f
+    return t.clamp_(0, _BUCKETS - 1).nan_to_num_(0.0)
+
+
+def _masses(z: torch.Tensor, base: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
+    """Each token's float64 mass ``exp(z - m)`` (from ``ws["ky"]``), 0 below ``base`` and
+    at most :data:`_FLOOR` (more than 40 nats below the max: sub-bucket 0)."""
+    c = z.shape[0]
+    w = torch.exp(ws.get("ky", c), out=ws.get("kw", c))
+    torch.nn.functional.threshold_(w, _FLOOR, 0.0)
+    if base is not None:
+        w.mul_(z >= base)
+    return ws.get("kd", c, torch.float64).copy_(w)
+
+
+def _index(t: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """``floor(t)`` as the int64 index ``scatter_add_`` takes (``t`` already clamped)."""
+    return ws.get("ki", t.shape[0], torch.int64).copy_(t.floor_())
 
 
 def _from_top(h: torch.Tensor, above: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,8 +214,10 @@ def sharded_thresholds(
     h1 = torch.zeros(M, _FINE, dtype=torch.float64, device=dev)
 
     def coarse(a: int, b: int, ws: Workspace) -> None:
-        w, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
-        h1[a:b].scatter_add_(1, f // _FINE, w)
+        z = z_of(a, b, ws)
+        t = _positions(z, col[a:b], ws)
+        w = _masses(z, _rows(base_col, a, b), ws)
+        h1[a:b].scatter_add_(1, _index(t.mul_(1 / _FINE), ws), w)  # floor(t / 32): exact
 
     passes(coarse)
     T1 = _from_top(all_reduce(h1, "sum", group))
@@ -214,33 +229,35 @@ def sharded_thresholds(
     c_star = _highest_crossed(T1, limit, strict)
     nxt = (c_star + 1).clamp_max(_FINE - 1).unsqueeze(-1)
     above1 = torch.where(c_star + 1 >= _FINE, 0.0, T1.gather(1, nxt).squeeze(-1))
-    h2 = torch.zeros(M, _FINE, dtype=torch.float64, device=dev)
-    first_fine = (c_star * _FINE).unsqueeze(-1)
+    # The sub-buckets of each row's cut bucket: masses, and token counts (the widest
+    # count bounds the candidates a rank sends).
+    # Columns 1..32 of each: the 32 sub-buckets; 0 and 33 collect the tokens below and
+    # above the cut bucket (dropped).
+    h2 = torch.zeros(M, 2, _FINE + 2, dtype=torch.float64, device=dev)
+    first_fine = (c_star * _FINE).unsqueeze(-1).to(dtype)
+    ones = torch.ones((1, 1), dtype=torch.float64, device=dev)
 
     def fine(a: int, b: int, ws: Workspace) -> None:
-        w, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
-        j = f - first_fine[a:b]
-        inside = (j >= 0) & (j < _FINE)
-        h2[a:b].scatter_add_(1, torch.where(inside, j, 0), torch.where(inside, w, 0.0))
+        z = z_of(a, b, ws)
+        t = _positions(z, col[a:b], ws)
+        w = _masses(z, _rows(base_col, a, b), ws)
+        j = t.sub_(first_fine[a:b])  # exact: t and the integer 32·c* share t's grid
+        idx = _index(j.clamp_(-1, _FINE), ws).add_(1)
+        h2[a:b, 0].scatter_add_(1, idx, w)
+        h2[a:b, 1].scatter_add_(1, idx, ones.expand(idx.shape))
 
     passes(fine)
-    T2 = _from_top(all_reduce(h2, "sum", group), above1)
+    h2 = all_reduce(h2, "sum", group)[:, :, 1 : _FINE + 1]
+    T2 = _from_top(h2[:, 0].contiguous(), above1)
     j_star = _highest_crossed(T2, limit, strict)
     nxt = (j_star + 1).clamp_max(_FINE - 1).unsqueeze(-1)
     above = torch.where(j_star + 1 >= _FINE, above1, T2.gather(1, nxt).squeeze(-1))
-    b_star = (c_star * _FINE + j_star).unsqueeze(-1)
+    b_star = (c_star * _FINE + j_star).unsqueeze(-1).to(dtype)
 
     # 4. The tokens of each row's cut sub-bucket, from every shard, sorted: the cut is the
     #    last one whose excluded mass stays below the limit.
-    counts = torch.zeros(M, dtype=torch.int64, device=dev)
-
-    def count(a: int, b: int, ws: Workspace) -> None:
-        _, f = _weights(z_of(a, b, ws), col[a:b], _rows(base_col, a, b), ws)
-        counts[a:b] = (f == b_star[a:b]).sum(-1)
-
-    passes(count)
-    most = counts.amax().reshape(1) if M else counts.new_zeros(1)
-    width = int(all_reduce(most, "max", group).item())  # one host read per call
+    counts = h2[:, 1].gather(1, j_star.unsqueeze(-1))
+    width = int(counts.max()) if M else 0  # one host read per call
     tau_p = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
     world = torch.distributed.get_world_size(group)
     block = max(1, _GATHER_BUDGET // max(world * width, 1))
@@ -250,8 +267,9 @@ def sharded_thresholds(
 
         def collect(a: int, b: int, ws: Workspace, r0: int = r0, cand: torch.Tensor = cand) -> None:
             z = z_of(a, b, ws)
-            _, f = _weights(z, col[a:b], _rows(base_col, a, b), ws)
-            hit = f == b_star[a:b]
+            t = _positions(z, col[a:b], ws)
+            lo = b_star[a:b]
+            hit = (t >= lo) & (t < lo + 1)  # floor(t) == b*
             rows, cols = hit.nonzero(as_tuple=True)
             n = hit.sum(-1)
             pos = torch.arange(rows.numel(), device=dev) - (n.cumsum(0) - n)[rows]
