@@ -155,3 +155,26 @@ def test_fused_module_on_a_hf_head():
 
 def test_transformers_is_imported():
     assert transformers.__version__
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_under_a_samplers_kept_set(name):
+    import rlmath
+
+    m = model(name)
+    ids, mask = batch(response=R)
+    kw = dict(top_k=20, top_p=0.8, min_p=0.01, sampler="vllm")
+    lp, ent = response_log_probs(m, ids, mask, R, temperature=0.7, **kw)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -R - 1 : -1]
+    valid = mask[:, -R:].bool()
+    labels = torch.where(valid, ids[:, -R:], -100)
+    want_lp, want_ent = rlmath.log_probs_and_entropy_from_logits(
+        logits, labels, temperature=0.7, **kw
+    )
+    torch.testing.assert_close(lp[valid], want_lp[valid], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent[valid], want_ent[valid], rtol=1e-10, atol=1e-10)
+    plain, _ = response_log_probs(m, ids, mask, R, temperature=0.7)
+    assert torch.all(lp[valid] >= plain[valid] - 1e-12)  # renormalised over fewer tokens
+    with pytest.raises(TypeError, match="top_p"):
+        response_log_probs(m, ids, mask, R, top_p=torch.full((4, 1), 0.8))

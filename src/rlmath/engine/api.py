@@ -36,6 +36,7 @@ from rlmath.engine.backends import resolve_backend
 from rlmath.engine.config import OpConfig, VocabParallel, VocabShard
 from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
 from rlmath.engine.groups import ProcessGroup, group_name, group_rank, group_size
+from rlmath.engine.head_truncation import truncated_head
 from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
 from rlmath.engine.truncation import (
@@ -721,14 +722,36 @@ def fused_head(
     names: tuple[str, str, str] = ("hidden", "weight", "bias"),
     dtensor_shard: VocabShard | None = None,
     reduce_grad_hidden: bool = True,
-) -> tuple[Any, Any]:
+    top_k: object = None,
+    top_p: object = None,
+    min_p: object = None,
+    sampler: object = "vllm",
+    kept_stats: bool = False,
+) -> Any:
     """Label log-probs (``labels.shape``) and entropy (``hidden.shape[:-1]``) of the LM head.
 
     The logits are ``softcap·tanh(logit_scale·(hidden @ weight.T + bias) / softcap)``;
     ``vocab_size`` keeps the rows of ``weight`` below it as the vocabulary and
     leaves the others (padding) out of the softmax; with ``vocab_parallel``
-    ``weight`` holds this rank's rows (:func:`resolve_shard`).
+    ``weight`` holds this rank's rows (:func:`resolve_shard`). ``top_k``,
+    ``top_p``, ``min_p`` and ``sampler`` restrict each row's softmax to a
+    sampler's kept set (:mod:`rlmath.engine.head_truncation`); with
+    ``kept_stats`` the result is a :class:`SampledLogProbs`.
     """
+    truncating = (
+        top_k is not None or top_p is not None or min_p is not None or kept_stats is not False
+        or sampler != "vllm"
+    )  # fmt: skip
+    if truncating and (
+        vocab_parallel is not None
+        or dtensor_shard is not None
+        or dt.any_dtensor(hidden, weight, bias, labels, temperature)
+    ):
+        raise NotImplementedError(
+            "top_k, top_p, min_p and kept_stats on the fused head run in one process: "
+            "not with vocab_parallel or DTensor inputs yet (the logits functions take them "
+            "with vocab_parallel)"
+        )
     if dt.any_dtensor(hidden, weight, bias, labels, temperature):
         _no_vocab_parallel(vocab_parallel, names[1])
         return _fused_head_dtensor(
@@ -760,6 +783,26 @@ def fused_head(
         device_of=names[0],
     )  # fmt: skip
     h, w, b = _head_dtype(h, w, b)
+    if truncating:
+        real = shard.real_columns(w.shape[0]) if shard is not None else w.shape[0]
+        trunc = check_truncation(
+            top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=None,
+            kept_stats=kept_stats, batch=batch, rows=batch, width=real, real=real,
+            device=h.device, shape_name=f"{names[0]}.shape[:-1]",
+            rows_name=f"{names[0]}.shape[:-1]",
+        )  # fmt: skip
+        if backend not in ("auto", "torch"):
+            no_truncation_paths(trunc, backend=backend, vocab_parallel=None)
+        params = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "sampler": sampler}
+        logp, ent, outside, count = truncated_head(
+            h, w, b, lab2d.reshape(out_shape),
+            temperature=temperature, params=params, scale=scale, cap=cap, real=real,
+            want_entropy=bool(want_entropy), ignore_index=ig,
+            chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+        )  # fmt: skip
+        if not kept_stats:
+            return logp, ent
+        return SampledLogProbs(logp, ent, outside, count)
     cfg = _config(
         backend, h, family="head", temperature=scalar, want_entropy=bool(want_entropy), ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),

@@ -2,12 +2,68 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from rlmath.engine import api
 from rlmath.engine.config import VocabParallel
+from rlmath.engine.truncation import SampledLogProbs
+from rlmath.log_probs.log_probs import Sampler
 
 __all__ = ["log_probs_and_entropy_from_hidden"]
+
+
+@overload
+def log_probs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    ignore_index: int | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    vocab_chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept_stats: Literal[False] = ...,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@overload
+def log_probs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    ignore_index: int | None = ...,
+    logit_scale: float = ...,
+    softcap: float | None = ...,
+    vocab_size: int | None = ...,
+    vocab_parallel: VocabParallel | None = ...,
+    chunk_size: int | None = ...,
+    vocab_chunk_size: int | None = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    sampler: Sampler = ...,
+    kept_stats: Literal[True],
+) -> SampledLogProbs: ...
 
 
 def log_probs_and_entropy_from_hidden(
@@ -27,7 +83,12 @@ def log_probs_and_entropy_from_hidden(
     vocab_chunk_size: int | None = None,
     backend: str = "auto",
     validate: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    sampler: Sampler = "vllm",
+    kept_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | SampledLogProbs:
     """Label log-probabilities and entropies of the LM head's softmax, without the logits.
 
     Computes the same values as ``log_probs_and_entropy_from_logits(hidden @
@@ -101,6 +162,14 @@ def log_probs_and_entropy_from_hidden(
             clear ``ValueError``; off by default because it reads tensor data.
             Without it, a label that is neither a token id nor ``ignore_index``
             gives a NaN log-prob (and a NaN gradient where the loss uses it).
+        top_k, top_p, min_p, sampler, kept_stats: the log-probs and entropy of
+            the distribution a truncating sampler drew from, its kept set
+            renormalised, as in :func:`rlmath.log_probs.log_probs_from_logits`
+            (``docs/sampling.md``). The kept set needs each row's whole logits:
+            this path takes blocks of rows whole (at most 2²⁴ logits at a time,
+            recomputed in backward) instead of vocabulary tiles, on the
+            pure-torch backend, in one process (not with ``vocab_parallel``).
+            With ``kept_stats``, a :class:`~rlmath.log_probs.SampledLogProbs`.
 
     Returns:
         ``(log_probs, entropy)`` of shapes ``labels.shape`` and
@@ -111,12 +180,16 @@ def log_probs_and_entropy_from_hidden(
     Raises:
         TypeError: a non-tensor, non-floating ``hidden``/``weight``/``bias``,
             non-integer ``labels``.
-        ValueError: mismatched shapes or devices, temperature <= 0, chunk sizes < 1.
+        ValueError: mismatched shapes or devices, temperature <= 0, chunk sizes < 1,
+            a sampler argument out of range.
+        NotImplementedError: a sampler argument with ``vocab_parallel``, DTensor
+            inputs or ``backend="triton"``.
     """
     return api.fused_head(  # type: ignore[no-any-return]
         hidden, weight, labels, bias=bias, temperature=temperature,
         want_entropy=bool(return_entropy), ignore_index=ignore_index, chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size, logit_scale=logit_scale, softcap=softcap,
         vocab_size=vocab_size, vocab_parallel=vocab_parallel, backend=backend,
-        validate=validate,
+        validate=validate, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+        kept_stats=kept_stats,
     )  # fmt: skip

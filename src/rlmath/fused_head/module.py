@@ -13,6 +13,7 @@ from rlmath.engine.backends import resolve_backend
 from rlmath.engine.config import VocabParallel
 from rlmath.fused_head.from_hidden import log_probs_and_entropy_from_hidden
 from rlmath.fused_head.through_module import swapped_forward
+from rlmath.log_probs.log_probs import Sampler
 
 __all__ = ["FusedLMHeadLogProbs"]
 
@@ -100,6 +101,10 @@ class FusedLMHeadLogProbs(nn.Module):
         *,
         temperature: float | torch.Tensor | None = None,
         return_entropy: bool = True,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
+        sampler: Sampler = "vllm",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(log_probs, entropy)`` of ``labels`` under ``softmax(head(hidden) / temperature)``.
 
@@ -110,6 +115,8 @@ class FusedLMHeadLogProbs(nn.Module):
             temperature: overrides the module's default (float or a tensor
                 broadcastable to ``hidden.shape[:-1]``).
             return_entropy: also return the entropy (else ``None``).
+            top_k, top_p, min_p, sampler: under a truncating sampler's kept set,
+                renormalised (see :func:`log_probs_and_entropy_from_hidden`).
 
         Returns:
             fp32 (fp64 for fp64 inputs) ``(log_probs, entropy)`` of shapes
@@ -129,6 +136,8 @@ class FusedLMHeadLogProbs(nn.Module):
             "backend": self.backend,
             "validate": self.validate,
         }
+        if top_k is not None or top_p is not None or min_p is not None or sampler != "vllm":
+            kw.update(top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler)
 
         def fused(head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             return log_probs_and_entropy_from_hidden(h, head.weight, labels, bias=head.bias, **kw)

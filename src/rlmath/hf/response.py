@@ -194,6 +194,10 @@ def response_log_probs(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     backend: str = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    sampler: str = "vllm",
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of each response token under a ``transformers`` causal LM.
@@ -232,6 +236,11 @@ def response_log_probs(
             softmax. ``None``: every row of the head is a token.
         chunk_size, vocab_chunk_size, backend: as in
             :func:`rlmath.fused_head.log_probs_and_entropy_from_hidden`.
+        top_k, top_p, min_p, sampler: the log-probs and entropy under the kept
+            set of the sampler that drew the responses, renormalised
+            (``docs/sampling.md``): numbers, the same for every sequence (a
+            per-sequence tensor is a ``TypeError``: pass the logits to
+            :func:`rlmath.log_probs_from_logits_response` for those).
         **model_kwargs: passed on to ``model(...)``; those the call sets itself
             (``position_ids``, ``use_cache``, ``logits_to_keep``, ``labels``, the
             packed layout's ``cu_seq_lens_*`` / ``max_length_*``) raise a ``TypeError``.
@@ -267,6 +276,16 @@ def response_log_probs(
         "chunk_size": chunk_size, "vocab_chunk_size": vocab_chunk_size, "backend": backend,
         "logit_scale": spec.logit_scale, "softcap": spec.softcap, "vocab_size": vocab,
     }  # fmt: skip
+    truncation = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+    for name, value in truncation.items():
+        if isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"rlmath.hf.response_log_probs takes {name} as a number (one for every "
+                "sequence), got a tensor; per-sequence values: compute the logits and call "
+                "rlmath.log_probs_from_logits_response"
+            )
+    if any(v is not None for v in truncation.values()) or sampler != "vllm":
+        head_kw.update(truncation, sampler=sampler)
     if packed:
         return _packed(model, spec, ids, valid, labels, R, head_kw, model_kwargs)
     return _padded(model, spec, ids, mask, labels, R, head_kw, model_kwargs)

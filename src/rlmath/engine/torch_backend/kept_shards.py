@@ -83,7 +83,7 @@ def _masses(z: torch.Tensor, base: torch.Tensor | None, ws: Workspace) -> torch.
     at most :data:`_FLOOR` (more than 40 nats below the max: sub-bucket 0)."""
     c = z.shape[0]
     w = torch.exp(ws.get("ky", c), out=ws.get("kw", c))
-    torch.nn.functional.threshold_(w, _FLOOR, 0.0)
+    torch.threshold_(w, _FLOOR, 0.0)
     if base is not None:
         w.mul_(z >= base)
     return ws.get("kd", c, torch.float64).copy_(w)
