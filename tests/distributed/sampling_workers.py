@@ -35,6 +35,7 @@ class SamplingCase:
     response: bool = False  # through log_probs_from_logits_response_rmpad
     explicit: bool = False  # shards placed by VocabParallel(start=...), uneven
     blocked: bool = False  # the all-gathers split into blocks of a few rows
+    replay: str = ""  # "mask" / "ids": the params' kept set, replayed with kept=
 
 
 CASES = [
@@ -59,6 +60,11 @@ CASES = [
     SamplingCase("response_rmpad", {"top_p": 0.85}, response=True),
     SamplingCase("uneven_shards", {"top_k": 60, "top_p": 0.9}, vocab=1000, explicit=True),
     SamplingCase("blocked_gathers", {"top_k": 40, "top_p": 0.8}, blocked=True),
+    SamplingCase("replay_mask", {"top_k": 60, "top_p": 0.8}, replay="mask"),
+    SamplingCase("replay_ids", {"top_k": 60, "top_p": 0.8}, replay="ids"),
+    SamplingCase(
+        "replay_ids_uneven", {"top_k": 60, "top_p": 0.8}, replay="ids", vocab=1000, explicit=True
+    ),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -93,6 +99,21 @@ def build(case: SamplingCase) -> dict[str, Any]:
         temperature = 0.5 + torch.rand(M, generator=g, dtype=torch.float64)
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(case.dtype if case.dtype != torch.bfloat16 else torch.float32)
+    if case.replay:
+        # The rollout's kept set, replayed: from the rule in one process, every token a label.
+        every = torch.arange(V).expand(M, V)
+        rule = R.log_probs_from_logits(
+            logits, every, temperature=temperature, kept_stats=True, **kwargs
+        )
+        mask = ~rule.outside
+        if case.replay == "mask":
+            kwargs = {"kept": mask}
+        else:
+            ids = torch.full((M, V), -1)
+            for i in range(M):
+                row = mask[i].nonzero().flatten()
+                ids[i, : row.numel()] = row.flip(0)  # any order, padded with -1
+            kwargs = {"kept": ids[:, : int(mask.sum(-1).max())]}
     return {"logits": logits, "labels": labels, "temperature": temperature, "kwargs": kwargs}
 
 

@@ -316,11 +316,6 @@ def test_bad_types_raise_type_error():
 
 def test_paths_without_truncation_support_raise():
     x, labels = torch.randn(3, 10), torch.tensor([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="vocab_parallel"):
-        log_probs_from_logits(
-            x, labels, kept=torch.ones(3, 10, dtype=torch.bool),
-            vocab_parallel=rlmath.VocabParallel(),
-        )  # fmt: skip
     with pytest.raises(NotImplementedError, match="torch"):
         log_probs_from_logits(x, labels, top_k=2, backend="triton")
 
@@ -347,11 +342,18 @@ def test_entropy_from_logits_under_the_kept_set(sampler, combo):
 def test_vocab_parallel_in_a_world_of_one_is_the_plain_call():
     # Several processes: tests/distributed/test_vocab_parallel_sampling.py.
     x, labels = torch.randn(6, 50), torch.tensor([1, 2, 3, 4, 5, 6])
-    kw = dict(top_k=9, top_p=0.7, min_p=0.01, temperature=0.9, kept_stats=True)
-    one = log_probs_and_entropy_from_logits(x, labels, **kw)
-    vp = log_probs_and_entropy_from_logits(x, labels, vocab_parallel=rlmath.VocabParallel(), **kw)
-    for a, b in zip(one, vp, strict=True):
-        assert torch.equal(a, b)
+    mask = torch.rand(6, 50, generator=torch.Generator().manual_seed(0)) < 0.3
+    for kw in (
+        dict(top_k=9, top_p=0.7, min_p=0.01, temperature=0.9),
+        dict(kept=mask, temperature=0.9),
+        dict(kept=[row.nonzero().flatten().tolist() for row in mask]),
+    ):
+        one = log_probs_and_entropy_from_logits(x, labels, kept_stats=True, **kw)
+        vp = log_probs_and_entropy_from_logits(
+            x, labels, vocab_parallel=rlmath.VocabParallel(), kept_stats=True, **kw
+        )
+        for a, b in zip(one, vp, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_no_input_is_modified():

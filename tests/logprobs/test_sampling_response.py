@@ -101,8 +101,8 @@ def test_response_functions_raise_on_paths_without_truncation():
         (log_probs_from_logits_response, (ids, logits, R)),
         (log_probs_from_logits_response_rmpad, (ids, mask, logits[mask], R)),
     ):
-        kept = torch.ones(ids.shape[0], R, logits.shape[-1], dtype=torch.bool)
-        with pytest.raises(NotImplementedError, match="vocab_parallel"):
-            fn(*args, kept=kept, vocab_parallel=rlmath.VocabParallel())
+        with pytest.raises(ValueError, match="token ids"):
+            kept = torch.ones(ids.shape[0], R, logits.shape[-1], dtype=torch.bool)
+            fn(*args, kept=kept, vocab_parallel=rlmath.VocabParallel(start=0))
         with pytest.raises(NotImplementedError, match="torch"):
             fn(*args, top_k=3, backend="triton")

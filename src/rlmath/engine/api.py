@@ -45,6 +45,7 @@ from rlmath.engine.truncation import (
     check_truncation,
     no_truncation_paths,
     truncation_columns,
+    truncation_width,
 )
 
 __all__ = [
@@ -276,7 +277,8 @@ def log_probs_entropy(
     if truncating:
         trunc = check_truncation(
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept,
-            kept_stats=kept_stats, batch=batch, rows=batch, width=x.shape[-1],
+            kept_stats=kept_stats, batch=batch, rows=batch,
+            width=truncation_width(shard, x.shape[-1], vocab_parallel),
             real=truncation_columns(shard, x.shape[-1], vocab_parallel),
             split=vocab_parallel is not None, device=x.device,
             shape_name=f"{logits_name}.shape[:-1]", rows_name=f"{logits_name}.shape[:-1]",
@@ -473,7 +475,8 @@ def _response_truncation(
     if not truncation:
         return Truncation(), backend
     trunc = check_truncation(
-        **truncation, batch=(B, S), rows=(B, R), width=x.shape[-1],
+        **truncation, batch=(B, S), rows=(B, R),
+        width=truncation_width(shard, x.shape[-1], vocab_parallel),
         real=truncation_columns(shard, x.shape[-1], vocab_parallel),
         split=vocab_parallel is not None, device=x.device, shape_name="input_ids.shape",
         rows_name="(B, response_length)",

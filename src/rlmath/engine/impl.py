@@ -248,10 +248,16 @@ def _kept_set(
     count: torch.Tensor | None,
     forward: bool,
 ) -> KeptSet | None:
-    """The kept set of a truncating sampler for this call (``None``: the full vocabulary)."""
+    """The kept set of a truncating sampler for this call (``None``: the full vocabulary).
+
+    A replayed ``kept`` over vocabulary shards (global columns or token ids) is
+    cut to this shard's columns.
+    """
     if not cfg.sampler:
         return None
     top_k, top_p, min_p, kmax = _sampler_params(cfg, sampling, logits, row_index, real, cdt)
+    if kept is not None and cfg.shard.group:
+        kept = _local_kept(kept, cfg.shard.start, real)
     return KeptSet(
         cfg.sampler,
         top_k=top_k,
@@ -265,6 +271,26 @@ def _kept_set(
         count=count,
         forward=forward,
     )
+
+
+def _local_kept(kept: torch.Tensor, start: int, real: int) -> torch.Tensor:
+    """This shard's part of a replayed kept set: its columns of a mask, or its ids made
+    local (-1 for the other shards' ids)."""
+    if kept.dtype == torch.bool:
+        return kept[:, start : start + real]
+    inside = (kept >= start) & (kept < start + real)
+    return torch.where(inside, kept - start, -1)
+
+
+def _replayed_inside(kept: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``(M, K)`` bool: each global label is in the replayed (global) kept set."""
+    if kept.dtype == torch.bool:
+        safe = labels.clamp(0, max(kept.shape[1] - 1, 0))
+        inside = (
+            kept.gather(1, safe) if kept.shape[1] else torch.zeros_like(labels, dtype=torch.bool)
+        )
+        return inside & (labels >= 0) & (labels < kept.shape[1])
+    return (kept.unsqueeze(1) == labels.unsqueeze(-1)).any(-1)
 
 
 def _outside(
@@ -383,9 +409,14 @@ def logits_forward(
             count = all_reduce(count, "sum", group)  # each shard counted its own columns
         aux = torch.stack([kept_set.tau, count], -1)
         if group is not None and lab is not None and z_all is not None:
-            # The label's logit and the threshold are global: every rank flags the same labels.
+            # The label's logit and the threshold (or the replayed set) are global: every
+            # rank flags the same labels.
             valid = lab.valid if lab.valid is not None else torch.ones_like(lab.owned)
-            found = valid & (z_all < kept_set.tau.unsqueeze(-1))
+            if kept is not None:
+                assert labels is not None
+                found = valid & ~_replayed_inside(kept, labels)
+            else:
+                found = valid & (z_all < kept_set.tau.unsqueeze(-1))
             outside = found & held if held is not None else found
         else:
             single = _outside(kept_set, lab, z_labels)

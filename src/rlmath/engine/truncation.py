@@ -23,6 +23,7 @@ __all__ = [
     "check_truncation",
     "no_truncation_paths",
     "truncation_columns",
+    "truncation_width",
 ]
 
 
@@ -229,12 +230,13 @@ def check_truncation(
         rows: the shape of the output rows ``kept`` is aligned with (``rows_name``).
         width: the logits' last dim; real: its real columns.
         device: the logits' device.
-        split: the vocabulary is split over processes (``vocab_parallel``).
+        split: the vocabulary is split over processes (``vocab_parallel``):
+            ``kept`` holds global token ids, or a mask over the whole vocabulary
+            of ``width`` tokens (``width=0``: not known here, ids only).
 
     Raises:
         ValueError: a value out of range or a shape that does not fit, naming the argument.
         TypeError: a value of the wrong type.
-        NotImplementedError: ``kept`` with a split vocabulary.
 
     Per-row tensors are read on the host (one synchronisation) to check their
     values, except while ``torch.compile`` traces the call.
@@ -248,12 +250,13 @@ def check_truncation(
     k = _check_k(top_k, batch, device, shape_name)
     p = _check_fraction("top_p", top_p, batch, device, shape_name, open_low=True)
     mp = _check_fraction("min_p", min_p, batch, device, shape_name, open_low=False)
-    if kept is not None and split:
-        raise NotImplementedError(
-            "kept= (a replayed kept set) is not supported with vocab_parallel yet: pass "
-            "top_k / top_p / min_p (the kept set is then found over every shard), or the "
-            "whole vocabulary"
-        )
+    if kept is not None and split and not width and isinstance(kept, torch.Tensor):
+        if kept.dtype == torch.bool:
+            raise ValueError(
+                "kept: with vocab_parallel placed by start=, the size of the whole "
+                "vocabulary is not known here: pass the kept set as token ids (padded "
+                "with -1) or as lists, or give vocab_size="
+            )
     if kept is not None:
         if k is not None or p is not None or mp is not None:
             raise ValueError(
@@ -307,6 +310,14 @@ def truncation_columns(shard: Any, width: int, vocab_parallel: object) -> int:
     if vocab_parallel is None:
         return int(real)
     return int(shard.total) if shard is not None and shard.stride else 2**62
+
+
+def truncation_width(shard: Any, width: int, vocab_parallel: object) -> int:
+    """The last dim a replayed boolean kept mask must have: the logits' own, or over vocabulary
+    shards the whole vocabulary's when it follows from the shapes (0: not known here)."""
+    if vocab_parallel is None:
+        return width
+    return int(shard.total) if shard is not None and shard.stride else 0
 
 
 def no_truncation_paths(trunc: Truncation, *, backend: object, vocab_parallel: object) -> str:

@@ -155,7 +155,9 @@ def log_probs_from_logits(
             recomputing it: a bool mask ``logits.shape[:-1] + (V,)``, integer token
             ids ``logits.shape[:-1] + (K,)`` padded with -1, or a list of one
             sequence of token ids per row (rows in ``logits.shape[:-1]`` order,
-            flattened). Not with ``top_k``, ``top_p`` or ``min_p``.
+            flattened). Not with ``top_k``, ``top_p`` or ``min_p``. With
+            ``vocab_parallel``: global token ids, or a mask over the whole
+            vocabulary (only when the shards' layout follows from the shapes).
         kept_stats: return a :class:`SampledLogProbs` with, besides the
             result, which labels fell outside the kept set and the size of each
             row's kept set. A label outside the kept set is always scored as if
@@ -171,8 +173,7 @@ def log_probs_from_logits(
             ``(0, 1]``, ``top_k < 1``, ``min_p`` outside ``[0, 1]``, a per-row
             tensor or ``kept`` of the wrong shape, ...).
         NotImplementedError: ``top_k``, ``top_p``, ``min_p``, ``kept`` or
-            ``kept_stats`` with DTensor inputs or ``backend="triton"``, or
-            ``kept`` with ``vocab_parallel``.
+            ``kept_stats`` with DTensor inputs or ``backend="triton"``.
     """
     out = api.log_probs_entropy(
         logits, labels, temperature=temperature, want_entropy=False, ignore_index=ignore_index,
