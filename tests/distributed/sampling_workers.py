@@ -191,3 +191,55 @@ def sampling_worker(names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
             "start": start,
         }
     return out
+
+
+# ------------------------------------------------------------------ the fused head
+
+HEAD_CASES = {
+    "head_top_p": {"top_p": 0.9},
+    "head_all_three_sglang": {"top_k": 100, "top_p": 0.8, "min_p": 0.01, "sampler": "sglang"},
+    "head_uneven": {"top_k": 50, "top_p": 0.9},
+}
+HEAD_ROWS, HEAD_HIDDEN, HEAD_VOCAB = 24, 16, 1000
+
+
+def head_problem(name: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return {
+        "hidden": torch.randn(HEAD_ROWS, HEAD_HIDDEN, generator=g, dtype=torch.float64),
+        "weight": torch.randn(HEAD_VOCAB, HEAD_HIDDEN, generator=g, dtype=torch.float64),
+        "bias": torch.randn(HEAD_VOCAB, generator=g, dtype=torch.float64),
+        "labels": torch.randint(0, HEAD_VOCAB, (HEAD_ROWS,), generator=g),
+        "kwargs": dict(HEAD_CASES[name], temperature=0.8, softcap=6.0),
+    }
+
+
+def head_shard(name: str, world: int, rank: int) -> tuple[int, int]:
+    case = SamplingCase(name, vocab=HEAD_VOCAB, explicit=name == "head_uneven")
+    return shard_bounds(case, world, rank)
+
+
+def head_sampling_worker(names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name in names:
+        pr = head_problem(name)
+        start, stop = head_shard(name, world, rank)
+        h = pr["hidden"].clone().requires_grad_(True)
+        w = pr["weight"][start:stop].clone().requires_grad_(True)
+        b = pr["bias"][start:stop].clone().requires_grad_(True)
+        vp = VocabParallel(start=start) if name == "head_uneven" else VocabParallel()
+        res = R.log_probs_and_entropy_from_hidden(
+            h, w, pr["labels"], bias=b, vocab_parallel=vp, kept_stats=True, **pr["kwargs"]
+        )
+        loss_of(res).backward()
+        out[name] = {
+            "log_probs": res.log_probs.detach(),
+            "entropy": res.entropy.detach(),
+            "kept_count": res.kept_count,
+            "outside": res.outside,
+            "grad_hidden": h.grad,
+            "grad_weight": w.grad,
+            "grad_bias": b.grad,
+        }
+    return out

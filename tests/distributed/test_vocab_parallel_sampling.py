@@ -142,3 +142,46 @@ def test_the_kept_set_does_not_depend_on_the_number_of_shards(results):
         a, b = results[2][0][name], results[4][0][name]
         assert torch.equal(a["kept_count"], b["kept_count"]), name
         assert torch.equal(a["outside"], b["outside"]), name
+
+
+# ------------------------------------------------------------------ the fused head
+#
+# Each rank holds its rows of the head; the hidden states are the same everywhere. In
+# fp64, the logits of a shard's columns are dot products of H terms, rounded as one
+# process rounds them up to the matmul's blocking: the kept sets agree (no row near a cut
+# here), the values within 1e-10, and the hidden-state gradient (summed over the ranks)
+# and each rank's weight and bias gradients within 1e-9 of one process.
+
+
+@pytest.fixture(scope="module")
+def head_results():
+    from .sampling_workers import HEAD_CASES, head_sampling_worker
+
+    return {w: run_distributed(head_sampling_worker, w, list(HEAD_CASES)) for w in WORLDS}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["head_top_p", "head_all_three_sglang", "head_uneven"])
+def test_sharded_fused_head_under_a_kept_set_equals_one_process(head_results, world, name):
+    from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+    from .sampling_workers import head_problem, head_shard
+
+    pr = head_problem(name)
+    leaves = [pr[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    want = log_probs_and_entropy_from_hidden(
+        leaves[0], leaves[1], pr["labels"], bias=leaves[2], kept_stats=True, **pr["kwargs"]
+    )
+    loss_of(want).backward()
+    for rank in range(world):
+        got = head_results[world][rank][name]
+        start, stop = head_shard(name, world, rank)
+        assert torch.equal(got["kept_count"], want.kept_count)
+        assert torch.equal(got["outside"], want.outside)
+        torch.testing.assert_close(got["log_probs"], want.log_probs.detach(), rtol=0, atol=1e-10)
+        torch.testing.assert_close(got["entropy"], want.entropy.detach(), rtol=0, atol=1e-10)
+        torch.testing.assert_close(got["grad_hidden"], leaves[0].grad, rtol=0, atol=1e-9)
+        torch.testing.assert_close(
+            got["grad_weight"], leaves[1].grad[start:stop], rtol=0, atol=1e-9
+        )
+        torch.testing.assert_close(got["grad_bias"], leaves[2].grad[start:stop], rtol=0, atol=1e-9)

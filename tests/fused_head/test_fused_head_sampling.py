@@ -160,10 +160,13 @@ def test_bad_input_and_unsupported_paths():
         log_probs_and_entropy_from_hidden(h, w, labels, top_p=1.5)
     with pytest.raises(ValueError, match="top_k"):
         log_probs_and_entropy_from_hidden(h, w, labels, top_k=0)
-    with pytest.raises(NotImplementedError, match="vocab_parallel"):
-        log_probs_and_entropy_from_hidden(
-            h, w, labels, top_p=0.5, vocab_parallel=rlmath.VocabParallel()
-        )
+    # Over shards: tests/distributed/test_vocab_parallel_sampling.py; a world of one is
+    # the plain call.
+    one = log_probs_and_entropy_from_hidden(h, w, labels, top_p=0.5)
+    vp = log_probs_and_entropy_from_hidden(
+        h, w, labels, top_p=0.5, vocab_parallel=rlmath.VocabParallel()
+    )
+    assert torch.equal(one[0], vp[0]) and torch.equal(one[1], vp[1])
     with pytest.raises(NotImplementedError, match="torch"):
         log_probs_and_entropy_from_hidden(h, w, labels, top_p=0.5, backend="triton")
 

@@ -35,7 +35,13 @@ from rlmath.engine import ops
 from rlmath.engine.backends import resolve_backend
 from rlmath.engine.config import OpConfig, VocabParallel, VocabShard
 from rlmath.engine.functions import FusedHeadFunction, KLFunction, LogProbsEntropyFunction
-from rlmath.engine.groups import ProcessGroup, group_name, group_rank, group_size
+from rlmath.engine.groups import (
+    ProcessGroup,
+    group_name,
+    group_rank,
+    group_size,
+    resolve_group,
+)
 from rlmath.engine.head_truncation import truncated_head
 from rlmath.engine.layout import validate_layout
 from rlmath.engine.packed import NO_LABEL, packed_row_of, response_rows
@@ -746,14 +752,11 @@ def fused_head(
         or sampler != "vllm"
     )  # fmt: skip
     if truncating and (
-        vocab_parallel is not None
-        or dtensor_shard is not None
-        or dt.any_dtensor(hidden, weight, bias, labels, temperature)
+        dtensor_shard is not None or dt.any_dtensor(hidden, weight, bias, labels, temperature)
     ):
         raise NotImplementedError(
-            "top_k, top_p, min_p and kept_stats on the fused head run in one process: "
-            "not with vocab_parallel or DTensor inputs yet (the logits functions take them "
-            "with vocab_parallel)"
+            "top_k, top_p, min_p and kept_stats on the fused head are not supported for "
+            "DTensor inputs yet: pass to_local() with vocab_parallel="
         )
     if dt.any_dtensor(hidden, weight, bias, labels, temperature):
         _no_vocab_parallel(vocab_parallel, names[1])
@@ -790,9 +793,10 @@ def fused_head(
         real = shard.real_columns(w.shape[0]) if shard is not None else w.shape[0]
         trunc = check_truncation(
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=None,
-            kept_stats=kept_stats, batch=batch, rows=batch, width=real, real=real,
-            device=h.device, shape_name=f"{names[0]}.shape[:-1]",
-            rows_name=f"{names[0]}.shape[:-1]",
+            kept_stats=kept_stats, batch=batch, rows=batch, width=real,
+            real=truncation_columns(shard, w.shape[0], vocab_parallel),
+            split=vocab_parallel is not None, device=h.device,
+            shape_name=f"{names[0]}.shape[:-1]", rows_name=f"{names[0]}.shape[:-1]",
         )  # fmt: skip
         if backend not in ("auto", "torch"):
             no_truncation_paths(trunc, backend=backend, vocab_parallel=None)
@@ -802,6 +806,9 @@ def fused_head(
             temperature=temperature, params=params, scale=scale, cap=cap, real=real,
             want_entropy=bool(want_entropy), ignore_index=ig,
             chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+            vocab_parallel=vocab_parallel, vocab_size=vocab_size,
+            group=resolve_group(shard.group) if shard is not None and shard.group else None,
+            reduce_grad_hidden=bool(reduce_grad_hidden),
         )  # fmt: skip
         if not kept_stats:
             return logp, ent

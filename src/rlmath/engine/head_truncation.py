@@ -10,6 +10,12 @@ arguments, and dropped; backward recomputes each block
 (:func:`torch.utils.checkpoint.checkpoint`). Memory: one block of logits, at
 most :data:`BLOCK_ENTRIES` entries (and its gradient in backward), whatever
 the number of rows.
+
+Over vocabulary shards each rank forms its columns of the block and the
+logits operator finds the global kept set and statistics
+(:mod:`rlmath.engine.torch_backend.kept_shards`); every rank walks the same
+blocks. The gradient of the hidden states, each rank's share through its own
+rows of the head, is summed over the group (unless the caller sums it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,23 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlmath.engine.groups import all_reduce
+
 __all__ = ["BLOCK_ENTRIES", "truncated_head"]
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the incoming gradient over the group's ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce(grad.contiguous(), "sum", ctx.group), None
+
 
 BLOCK_ENTRIES = 1 << 24
 """Logits per block of rows: 64 MiB in fp32."""
@@ -45,6 +67,7 @@ def _block(
     want_entropy: bool,
     ignore_index: int | None,
     chunk_size: int | None,
+    shard: dict[str, Any],
 ) -> tuple[torch.Tensor, ...]:
     from rlmath.log_probs import log_probs_and_entropy_from_logits
 
@@ -56,7 +79,7 @@ def _block(
         z = cap * torch.tanh(z / cap)
     out = log_probs_and_entropy_from_logits(
         z, labels, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
-        backend="torch", kept_stats=True, **params,
+        backend="torch", kept_stats=True, **params, **shard,
     )  # fmt: skip
     entropy = out.entropy if want_entropy and out.entropy is not None else z.new_zeros(0)
     return out.log_probs, entropy, out.outside, out.kept_count
@@ -76,6 +99,10 @@ def truncated_head(
     want_entropy: bool,
     ignore_index: int | None,
     chunk_size: int | None,
+    vocab_parallel: Any = None,
+    vocab_size: object = None,
+    group: Any = None,
+    reduce_grad_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(log_probs, entropy or None, outside, kept_count)`` of every row of ``h``.
 
@@ -83,10 +110,18 @@ def truncated_head(
     ``labels``: ``h.shape[:-1]`` or ``h.shape[:-1] + (K,)``; ``temperature`` and
     the sampler's ``params`` (``top_k``, ``top_p``, ``min_p``, ``sampler``)
     scalars or tensors broadcastable to ``h.shape[:-1]``; ``real``: the rows of
-    ``w`` that are tokens.
+    ``w`` that are tokens. With ``vocab_parallel`` (and the resolved process
+    ``group``), ``w`` holds this rank's rows and ``vocab_size`` is the whole
+    vocabulary's real tokens, as the logits functions take them.
     """
     batch = tuple(h.shape[:-1])
     n = math.prod(batch)
+    shard: dict[str, Any] = {}
+    if vocab_parallel is not None:
+        shard = {"vocab_parallel": vocab_parallel, "vocab_size": vocab_size}
+        real = w.shape[0]  # the logits operator leaves the padding out
+        if group is not None and reduce_grad_hidden:
+            h = _SumGradOverGroup.apply(h, group)
     w, b = w[:real], (b[:real] if b is not None else None)
     flat_h = h.reshape(n, h.shape[-1])
     flat_labels = labels.reshape(n, *labels.shape[len(batch) :])
@@ -106,7 +141,7 @@ def truncated_head(
         args = (
             flat_h[a:e], w, b, flat_labels[a:e], cut(flat_temp),
             {k: cut(v) for k, v in flat_params.items()}, scale, cap, want_entropy,
-            ignore_index, chunk_size,
+            ignore_index, chunk_size, shard,
         )  # fmt: skip
         if grads:
             parts.append(checkpoint(_block, *args, use_reentrant=False))

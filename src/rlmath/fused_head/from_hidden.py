@@ -168,8 +168,9 @@ def log_probs_and_entropy_from_hidden(
             (``docs/sampling.md``). The kept set needs each row's whole logits:
             this path takes blocks of rows whole (at most 2²⁴ logits at a time,
             recomputed in backward) instead of vocabulary tiles, on the
-            pure-torch backend, in one process (not with ``vocab_parallel``).
-            With ``kept_stats``, a :class:`~rlmath.log_probs.SampledLogProbs`.
+            pure-torch backend (with ``vocab_parallel``, the kept set of the
+            whole vocabulary). With ``kept_stats``, a
+            :class:`~rlmath.log_probs.SampledLogProbs`.
 
     Returns:
         ``(log_probs, entropy)`` of shapes ``labels.shape`` and
@@ -182,8 +183,8 @@ def log_probs_and_entropy_from_hidden(
             non-integer ``labels``.
         ValueError: mismatched shapes or devices, temperature <= 0, chunk sizes < 1,
             a sampler argument out of range.
-        NotImplementedError: a sampler argument with ``vocab_parallel``, DTensor
-            inputs or ``backend="triton"``.
+        NotImplementedError: a sampler argument with DTensor inputs or
+            ``backend="triton"``.
     """
     return api.fused_head(  # type: ignore[no-any-return]
         hidden, weight, labels, bias=bias, temperature=temperature,
