@@ -439,11 +439,6 @@ def _check_processes(
         parser.error(
             "--nproc starts its own processes: under torchrun (WORLD_SIZE is set) leave it out"
         )
-    if cfg.tp > 1 and cfg.truncation:
-        parser.error(
-            "--top-k / --top-p / --min-p need --tp 1: the vocabulary-parallel head computes "
-            "log-probs over the whole vocabulary only"
-        )
     if cfg.tp > 1 and cfg.model != "tiny":
         parser.error(
             f"--tp needs --model tiny (the {cfg.model} model ties its LM head to the embedding)"

@@ -45,7 +45,6 @@ from rlmath.cli import build_parser, main
         (["demo", "--top-p", "1.5"], "--top-p: must be <= 1, got 1.5"),
         (["demo", "--top-k", "0"], "--top-k: must be >= 1, got 0"),
         (["demo", "--min-p", "-0.1"], "--min-p: must be >= 0"),
-        (["demo", "--tp", "2", "--top-p", "0.5"], "--top-k / --top-p / --min-p need --tp 1"),
         ([], "required: COMMAND"),
     ],
 )

@@ -76,6 +76,15 @@ def test_two_processes_write_the_metrics_of_one(algo, layout, one_process, tmp_p
 
 
 @pytest.mark.integration
+def test_a_truncating_sampler_over_a_vocabulary_parallel_head(tmp_path):
+    # The kept set over the head's two shards is the one-process kept set: the same run.
+    sampler = ["--top-p", "0.8", "--top-k", "8"]
+    one = run(tmp_path, "one", "grpo", *sampler)
+    assert_same_metrics(one, run(tmp_path, "tp", "grpo", "--nproc", "2", "--tp", "2", *sampler))
+    assert all(abs(r["rollout_ratio"] - 1) < 1e-12 for r in one)
+
+
+@pytest.mark.integration
 def test_only_rank_zero_writes_and_prints(tmp_path, capfd):
     pytest.importorskip("matplotlib")
     run(tmp_path, "n2", "grpo", "--nproc", "2")

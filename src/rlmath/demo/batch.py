@@ -241,14 +241,11 @@ def _response_outputs(
     out: dict[str, torch.Tensor] = {"log_prob": torch.zeros(b, r, dtype=dtype, device=ids.device)}
     head = model.lm_head
     if (with_log_prob or with_entropy) and isinstance(head, VocabParallelLMHead):
-        if truncation:
-            raise ValueError(
-                "top_k / top_p / min_p need the whole vocabulary on each rank (tp = 1)"
-            )
         # The logits are never formed.
         log_prob, entropy = head.log_probs_and_entropy(
-            hidden_rmpad, packed_labels(), temperature=temperature, with_entropy=with_entropy
-        )
+            hidden_rmpad, packed_labels(), temperature=temperature, with_entropy=with_entropy,
+            truncation=truncation,
+        )  # fmt: skip
         out["log_prob"] = to_response(log_prob)
         if entropy is not None:
             out["entropy"] = to_response(entropy)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import rlmath
+from rlmath.demo.config import Truncation
 from rlmath.demo.parallel import Layout
 
 __all__ = ["VocabParallelLMHead"]
@@ -56,8 +57,13 @@ class VocabParallelLMHead(nn.Module):
         *,
         temperature: float,
         with_entropy: bool,
+        truncation: Truncation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of ``labels`` ``[N]`` (``-100``: none, gives 0) and entropies, ``[N]`` each."""
+        """Log-probs of ``labels`` ``[N]`` (``-100``: none, gives 0) and entropies, ``[N]`` each.
+
+        ``truncation``: the sampler's ``top_k`` / ``top_p`` / ``min_p``; the kept set
+        is the whole vocabulary's, found from every rank's rows of the head.
+        """
         return rlmath.log_probs_and_entropy_from_hidden(
             hidden,
             self.weight,
@@ -67,4 +73,5 @@ class VocabParallelLMHead(nn.Module):
             vocab_size=self.vocab_size,
             vocab_parallel=rlmath.VocabParallel(group=self.layout.tp_group, start=self.vocab_start),
             return_entropy=with_entropy,
+            **(truncation or {}),
         )
