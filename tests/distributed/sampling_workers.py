@@ -243,3 +243,14 @@ def head_sampling_worker(names: list[str]) -> dict[str, dict[str, torch.Tensor]]
             "grad_bias": b.grad,
         }
     return out
+
+
+def dead_rows_worker() -> Any:
+    """A response function whose packed logits have no row (every position masked)."""
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    logits = torch.randn(0, 32)
+    return R.log_probs_from_logits_response_rmpad(
+        ids, mask, logits, response_length=3, top_p=0.8, vocab_parallel=VocabParallel(),
+        kept_stats=True,
+    )  # fmt: skip

@@ -185,3 +185,11 @@ def test_sharded_fused_head_under_a_kept_set_equals_one_process(head_results, wo
             got["grad_weight"], leaves[1].grad[start:stop], rtol=0, atol=1e-9
         )
         torch.testing.assert_close(got["grad_bias"], leaves[2].grad[start:stop], rtol=0, atol=1e-9)
+
+
+def test_packed_logits_without_a_row_give_zeros_on_every_rank():
+    from .sampling_workers import dead_rows_worker
+
+    for out in run_distributed(dead_rows_worker, 2):
+        assert torch.equal(out.log_probs, torch.zeros(2, 3))
+        assert not out.outside.any() and torch.equal(out.kept_count, torch.zeros(2, 3).long())

@@ -339,7 +339,8 @@ def logits_forward(
         tau = torch.full((M,), float("-inf"), dtype=cdt, device=dev)
         count = torch.zeros(M, dtype=cdt, device=dev)
         search = True
-        if group is not None and cfg.sampler != "kept":
+        no_rows = row_index is not None and logits.shape[0] == 0  # every row is dead
+        if group is not None and cfg.sampler != "kept" and not no_rows:
             # The thresholds are global: found over every shard first, then applied.
             assert kernels.kept_thresholds is not None
             top_k, top_p, min_p, kmax = _sampler_params(cfg, sampling, logits, row_index, None, cdt)
