@@ -154,37 +154,53 @@ def sharded_thresholds(
     def z_of(a: int, b: int, ws: Workspace) -> torch.Tensor:
         return _scaled(src.rows(a, b, ws), temp.rows(a, b), ws)
 
-    # 1. The rows' max and, for top-k, each shard's kmax largest logits.
+    def within(r0: int, r1: int) -> list[tuple[int, int]]:
+        """The chunks of rows ``[r0, r1)``."""
+        return [(max(a, r0), min(b, r1)) for a, b in ranges if a < r1 and b > r0]
+
+    # 1. The rows' max and, for top-k, the k-th largest logit of the union of every shard's
+    #    kmax largest (in row blocks: each shard's heads of a block, then their all-gather).
+    world = torch.distributed.get_world_size(group)
     m = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
     k_local = min(kmax, real) if top_k is not None else 0
-    heads = torch.full((M, max(kmax, 1)), _NEG_INF, dtype=dtype, device=dev)
-
-    def first(a: int, b: int, ws: Workspace) -> None:
-        z = z_of(a, b, ws)
-        m[a:b] = z.amax(-1)
-        if k_local:
-            heads[a:b, :k_local] = torch.topk(z, k_local, -1, sorted=True).values
-
-    passes(first)
-    m = all_reduce(m, "max", group)
-    m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
-    col = m.unsqueeze(-1)
+    head_width = max(kmax, 1)
     tau = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
     tau_k: torch.Tensor | None = None
-    if top_k is not None:
-        world = torch.distributed.get_world_size(group)
+    if top_k is None:
+
+        def row_max(a: int, b: int, ws: Workspace) -> None:
+            m[a:b] = z_of(a, b, ws).amax(-1)
+
+        passes(row_max)
+    else:
         k = top_k if isinstance(top_k, torch.Tensor) else torch.full((M,), int(top_k), device=dev)
         tau_k = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
-        block = max(1, _GATHER_BUDGET // (world * heads.shape[1]))
+        block = max(1, _GATHER_BUDGET // (world * head_width))
         for r0 in range(0, M, block):
             r1 = min(M, r0 + block)
-            union = all_gather(heads[r0:r1], group).permute(1, 0, 2).reshape(r1 - r0, -1)
+            heads = torch.full((r1 - r0, head_width), _NEG_INF, dtype=dtype, device=dev)
+
+            def first(
+                a: int, b: int, ws: Workspace, r0: int = r0, heads: torch.Tensor = heads
+            ) -> None:
+                z = z_of(a, b, ws)
+                m[a:b] = z.amax(-1)
+                if k_local:
+                    heads[a - r0 : b - r0, :k_local] = torch.topk(
+                        z, k_local, -1, sorted=True
+                    ).values
+
+            run_chunks(within(r0, r1), first, scratch, dev)
+            union = all_gather(heads, group).permute(1, 0, 2).reshape(r1 - r0, -1)
             ordered = torch.topk(union, min(kmax, union.shape[1]), -1, sorted=True).values
             kr = k[r0:r1]
             pick = (kr.clamp(1, max(ordered.shape[1], 1)) - 1).unsqueeze(-1)
             kth = ordered.gather(1, pick).squeeze(-1) if ordered.shape[1] else tau_k[r0:r1]
             tau_k[r0:r1] = torch.where(kr > ordered.shape[1], _NEG_INF, kth)
         tau = torch.maximum(tau, tau_k)
+    m = all_reduce(m, "max", group)
+    m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
+    col = m.unsqueeze(-1)
 
     # 2. min-p: the smallest logit that passes, over every shard.
     if min_p is not None:
@@ -259,7 +275,6 @@ def sharded_thresholds(
     counts = h2[:, 1].gather(1, j_star.unsqueeze(-1))
     width = int(counts.max()) if M else 0  # one host read per call
     tau_p = torch.full((M,), _NEG_INF, dtype=dtype, device=dev)
-    world = torch.distributed.get_world_size(group)
     block = max(1, _GATHER_BUDGET // max(world * width, 1))
     for r0 in range(0, M, block):
         r1 = min(M, r0 + block)
@@ -275,10 +290,7 @@ def sharded_thresholds(
             pos = torch.arange(rows.numel(), device=dev) - (n.cumsum(0) - n)[rows]
             cand[rows + (a - r0), pos] = z[rows, cols]
 
-        run_chunks(
-            [(max(a, r0), min(b, r1)) for a, b in ranges if a < r1 and b > r0],
-            collect, scratch, dev,
-        )  # fmt: skip
+        run_chunks(within(r0, r1), collect, scratch, dev)
         vals = all_gather(cand, group).permute(1, 0, 2).reshape(r1 - r0, -1)
         vals = vals.sort(-1, descending=True).values
         real_c = vals > _NEG_INF
