@@ -166,7 +166,7 @@ def log_probs_and_entropy_from_hidden(
             the distribution a truncating sampler drew from, its kept set
             renormalised, as in :func:`rlmath.log_probs.log_probs_from_logits`
             (``docs/sampling.md``). The kept set needs each row's whole logits:
-            this path takes blocks of rows whole (at most 2²⁴ logits at a time,
+            this path takes blocks of rows whole (at most 2²³ logits at a time,
             recomputed in backward) instead of vocabulary tiles, on the
             pure-torch backend (with ``vocab_parallel``, the kept set of the
             whole vocabulary). With ``kept_stats``, a
