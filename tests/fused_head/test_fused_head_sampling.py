@@ -189,3 +189,21 @@ def test_no_tensor_larger_than_a_block_of_logits(monkeypatch):
     with MemoryTracker() as plain:
         rlmath.log_probs_from_logits(h @ w.T, labels, top_p=0.9, top_k=100).sum().backward()
     assert any(a.nbytes >= n * vocab * 4 for a in plain.allocations)  # it sees logits
+
+
+@pytest.mark.parametrize("use", ["log_probs", "entropy", "no_entropy_returned"])
+def test_gradients_of_one_output_and_of_some_inputs(use):
+    h, w, b, labels = _problem()
+    kw = dict(top_k=12, top_p=0.8, temperature=0.9)
+    h1, b1 = h.clone().requires_grad_(), b.clone().requires_grad_()  # w: no gradient wanted
+    lp, ent = log_probs_and_entropy_from_hidden(
+        h1, w, labels, bias=b1, return_entropy=use != "no_entropy_returned", **kw
+    )
+    (ent if use == "entropy" else lp).sum().backward()
+    h2, b2 = h.clone().requires_grad_(), b.clone().requires_grad_()
+    ref = rlmath.log_probs_and_entropy_from_logits(h2 @ w.T + b2, labels, **kw)
+    (ref[1] if use == "entropy" else ref[0]).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=1e-11)
+    torch.testing.assert_close(b1.grad, b2.grad, rtol=0, atol=1e-11)
+    if use == "no_entropy_returned":
+        assert ent is None
