@@ -104,6 +104,7 @@ class _TruncatedHead(torch.autograd.Function):
         ctx.save_for_backward(h, w, b)
         ctx.spec = spec
         ctx.mark_non_differentiable(outside, count)
+        ctx.set_materialize_grads(False)  # an unused output: None, and no work for it
         return logp, ent, outside, count
 
     @staticmethod
