@@ -107,6 +107,7 @@ def test_without_truncation_both_ratios_are_the_same():
     assert abs(float(stats["rollout_ratio"]) - 1) <= 1e-6
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_a_truncated_run_logs_both_ratios(algo, tmp_path):
     run_demo(_tiny(algo=algo, steps=2, out=tmp_path, top_p=0.8, top_k=8))
