@@ -479,3 +479,53 @@ def test_a_rows_kept_set_log_probs_do_not_depend_on_the_batch_or_chunking(sample
         for a, b in zip(got, whole, strict=True):
             assert torch.equal(a, b[rows]), (rows[:3], chunk)
         assert torch.equal(grad, whole_grad[rows])
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_entropy_from_logits_gradcheck_and_bad_input(sampler):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 11, generator=g, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x: rlmath.entropy_from_logits(
+            x, top_k=6, top_p=0.8, min_p=0.02, sampler=sampler, temperature=0.9
+        ),
+        (x,),
+    )
+    with pytest.raises(ValueError, match="top_p"):
+        rlmath.entropy_from_logits(x, top_p=0.0, sampler=sampler)
+    with pytest.raises(ValueError, match="min_p"):
+        rlmath.entropy_from_logits(x, min_p=1.5, sampler=sampler)
+
+
+def test_kept_set_paths_keep_the_callers_state():
+    # Inference mode and deterministic algorithms hold inside the kept-set paths (the
+    # chunk workers and the fused head's blocks): the results are the plain mode's.
+    from rlmath.fused_head import log_probs_and_entropy_from_hidden
+
+    g = torch.Generator().manual_seed(9)
+    x, labels = torch.randn(40, 300, generator=g), torch.randint(0, 300, (40,), generator=g)
+    h, w = torch.randn(40, 16, generator=g), torch.randn(300, 16, generator=g)
+    kw = dict(top_k=30, top_p=0.8, min_p=0.01)
+    want = (
+        log_probs_and_entropy_from_logits(x, labels, chunk_size=4, **kw),
+        rlmath.entropy_from_logits(x, chunk_size=4, **kw),
+        log_probs_and_entropy_from_hidden(h, w, labels, **kw),
+    )
+    with torch.inference_mode():
+        got = (
+            log_probs_and_entropy_from_logits(x, labels, chunk_size=4, **kw),
+            rlmath.entropy_from_logits(x, chunk_size=4, **kw),
+            log_probs_and_entropy_from_hidden(h, w, labels, **kw),
+        )
+    assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[2][0], want[2][0]) and torch.equal(got[2][1], want[2][1])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        leaf = h.clone().requires_grad_()
+        lp, ent = log_probs_and_entropy_from_hidden(leaf, w, labels, **kw)
+        (lp.sum() + ent.sum()).backward()
+        assert torch.equal(lp, want[2][0]) and torch.isfinite(leaf.grad).all()
+    finally:
+        torch.use_deterministic_algorithms(before)
