@@ -33,7 +33,7 @@ import torch
 from rlmath import _device
 from rlmath.engine.torch_backend.buffers import Workspace
 
-__all__ = ["SAMPLERS", "KeptSet", "chunk_threshold"]
+__all__ = ["SAMPLERS", "KeptSet", "chunk_threshold", "scaled_rows"]
 
 SAMPLERS = ("vllm", "sglang", "hf")
 """The engines whose rules :func:`chunk_threshold` follows.
@@ -273,6 +273,20 @@ def chunk_threshold(
     return tau, w
 
 
+def scaled_rows(src: torch.Tensor, temperature: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
+    """``src / T`` in the compute dtype (``ws["kz"]``, or ``src`` itself when nothing changes).
+
+    Every kept-set search reads its logits through this one rounding, so that a
+    threshold found in one pass selects the same tokens in the next.
+    """
+    if temperature is None and src.dtype == ws.dtype:
+        return src  # read only from here on
+    c = src.shape[0]
+    if temperature is not None:
+        return torch.div(src, temperature, out=ws.get("kz", c))
+    return ws.get("kz", c).copy_(src)
+
+
 class KeptSet:
     """The kept set of every row of one call, applied chunk by chunk.
 
@@ -339,14 +353,7 @@ class KeptSet:
         slow on CPUs).
         """
         c = b - a
-        if temperature is None and src.dtype == ws.dtype:
-            z = src  # read only from here on
-        else:
-            z = (
-                torch.div(src, temperature, out=ws.get("kz", c))
-                if temperature is not None
-                else (ws.get("kz", c).copy_(src))
-            )
+        z = scaled_rows(src, temperature, ws)
         # The kept set as 1.0 / 0.0 in the compute dtype: compared into and multiplied by
         # several times faster than a bool mask on CPUs.
         keep = ws.get("kk", c)

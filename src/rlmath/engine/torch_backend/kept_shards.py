@@ -37,7 +37,7 @@ import torch
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 from rlmath.engine.policy import auto_chunk_size
-from rlmath.engine.sampling import _BUCKETS, _SPAN, Param
+from rlmath.engine.sampling import _BUCKETS, _SPAN, Param, scaled_rows
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.rows import RowSource
 
@@ -50,16 +50,6 @@ _GATHER_BUDGET = 1 << 22  # candidate logits per all-gather, over every rank
 # sub-bucket's masses then lie within a factor e^0.04 (and a coarse bucket's within e^1.3),
 # so their float64 sums are exact.
 _FLOOR = float(torch.tensor(-_SPAN).exp())
-
-
-def _scaled(src: torch.Tensor, col: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
-    """``src / T`` in the compute dtype, rounded as :meth:`KeptSet.chunk` rounds it."""
-    c = src.shape[0]
-    if col is None and src.dtype == ws.dtype:
-        return src
-    if col is not None:
-        return torch.div(src, col, out=ws.get("kz", c))
-    return ws.get("kz", c).copy_(src)
 
 
 def _column(value: torch.Tensor | float | int, a: int, b: int) -> torch.Tensor | float | int:
@@ -152,7 +142,7 @@ def sharded_thresholds(
         run_chunks(ranges, work, scratch, dev)
 
     def z_of(a: int, b: int, ws: Workspace) -> torch.Tensor:
-        return _scaled(src.rows(a, b, ws), temp.rows(a, b), ws)
+        return scaled_rows(src.rows(a, b, ws), temp.rows(a, b), ws)
 
     def within(r0: int, r1: int) -> list[tuple[int, int]]:
         """The chunks of rows ``[r0, r1)``."""
