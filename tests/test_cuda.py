@@ -287,6 +287,41 @@ def _hard_logits(n: int, v: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
+@pytest.mark.parametrize("how", ["top_k top_p", "min_p", "ids"])
+def test_triton_kept_sets_match_the_torch_backend(triton_kernels, dtype, how):
+    """A sampler's kept set on the compiled kernels: the same kept set as the torch backend's
+    search (sizes and ``outside`` equal), values and gradients within the fp32 bounds."""
+    n, v = 16, 151936
+    x = _hard_logits(n, v, 32, dtype)
+    g = gen(33)
+    labels = torch.randint(0, v - 5, (n,), generator=g)
+    temp = torch.rand(n, generator=g) + 0.5
+    kw = {
+        "top_k top_p": dict(top_k=50, top_p=0.9),
+        "min_p": dict(min_p=0.05),
+        "ids": dict(kept=torch.randint(0, v - 5, (n, 40), generator=g).to(DEV)),
+    }[how]
+    out = {}
+    for be in ("torch", "triton"):
+        xd = x.to(DEV).requires_grad_()
+        res = R.log_probs_and_entropy_from_logits(
+            xd, labels.to(DEV), temperature=temp.to(DEV), kept_stats=True, backend=be, **kw
+        )
+        (res.log_probs.sum() + 0.5 * res.entropy.sum()).backward()
+        out[be] = res, xd.grad
+    (a, ga), (b, gb) = out["triton"], out["torch"]
+    assert torch.equal(a.kept_count, b.kept_count) and torch.equal(a.outside, b.outside)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        ga.float(), gb.float(), atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=1e-2
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 @pytest.mark.parametrize("n,v", [(64, 1000), (8, 151936), (4, 262144)])
 def test_triton_log_probs_entropy_against_fp64(triton_kernels, dtype, n, v):
     x = _hard_logits(n, v, 30, dtype)

@@ -699,3 +699,201 @@ def test_auto_self_check_passes_under_the_interpreter_and_a_broken_kernel_falls_
     ):
         got = R.log_probs_from_logits(x, labels)
     assert torch.equal(got, R.log_probs_from_logits(x, labels, backend="torch"))
+
+
+# ------------------------------------------------------------------ a sampler's kept set
+
+_KEPT_CASES = {
+    "vllm top_p": dict(top_p=0.9),
+    "vllm top_k top_p min_p per row": "per-row",
+    "sglang top_k top_p": dict(sampler="sglang", top_k=20, top_p=0.7),
+    "hf top_k top_p min_p": dict(sampler="hf", top_k=30, top_p=0.8, min_p=0.02),
+    "replayed ids": "ids",
+    "replayed mask": "mask",
+}
+
+
+def _kept_inputs(case: str, N: int, V: int, g: torch.Generator) -> dict:
+    spec = _KEPT_CASES[case]
+    if spec == "per-row":
+        return dict(
+            top_k=torch.randint(1, 60, (N,), generator=g),
+            top_p=torch.rand(N, generator=g) * 0.6 + 0.4,
+            min_p=torch.rand(N, generator=g) * 0.1,
+        )
+    if spec in ("ids", "mask"):
+        ids = torch.randint(0, V - 3, (N, 25), generator=g)
+        ids[1, 4:] = -1  # padding
+        ids[2] = ids[2, :1]  # one id, repeated
+        if spec == "ids":
+            return dict(kept=ids)
+        mask = torch.zeros(N, V, dtype=torch.bool)
+        mask.scatter_(1, ids.clamp_min(0), True)
+        mask[1] = False
+        mask[1, ids[1, :4]] = True
+        return dict(kept=mask)
+    return dict(spec)
+
+
+def _kept_reference_mask(x, labels, temp, kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 ``(kept mask, outside, kept_count)`` from the engines' per-row rules."""
+    from tests.logprobs.sampling_reference import reference
+
+    kept = kw.get("kept")
+    if kept is not None and kept.dtype != torch.bool:
+        mask = torch.zeros(x.shape, dtype=torch.bool)
+        mask.scatter_(1, kept.clamp_min(0), kept >= 0)
+        kept = mask
+    ref_kw = {k: v for k, v in kw.items() if k != "kept"}
+    _, _, outside, count, mask = reference(x, labels, temperature=temp, kept=kept, **ref_kw)
+    return mask, outside, count
+
+
+@pytest.mark.parametrize("case", list(_KEPT_CASES))
+def test_kept_set_log_probs_entropy_and_gradient_against_fp64(blocks, case):
+    """The kept-set kernels (a threshold, a replayed mask, replayed ids located per block) give
+    the log-softmax over the kept set with the labels added: values and gradients within the
+    fp32 bounds of the fp64 reference of the masked logits; ``outside`` and the kept-set sizes
+    exactly the engines' rule."""
+    N, V = 24, 300
+    g = gen(40)
+    x = torch.randn(N, V, generator=g) * 3
+    x[:, V - 3 :] = float("-inf")  # padded vocabulary
+    x[3, :200] = float("-inf")  # an all -inf tail
+    labels = torch.randint(0, V - 3, (N,), generator=g)
+    labels[3] = 250  # a finite logit of the row with the -inf tail
+    temp = torch.rand(N, generator=g) + 0.5
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    kw = _kept_inputs(case, N, V, g)
+    x_before = x.clone()
+    leaf = x.clone().requires_grad_()
+    out = R.log_probs_and_entropy_from_logits(
+        leaf, labels, temperature=temp, kept_stats=True, backend="triton", **kw
+    )
+    (out.log_probs * gl + out.entropy * ge).sum().backward()
+    assert torch.equal(x, x_before)
+    mask, outside, count = _kept_reference_mask(x, labels, temp, kw)
+    assert torch.equal(out.outside, outside)
+    assert torch.equal(out.kept_count, count)
+    full = mask.clone()
+    full[torch.arange(N), labels] = True
+    ref = LogitsRef(x.masked_fill(~full, float("-inf")), labels, temp, gl, ge)
+    _check_lp_ent((out.log_probs, out.entropy, leaf.grad), ref, case)
+    assert (leaf.grad[~full] == 0).all()
+
+
+def test_kept_set_log_probs_only_and_k_labels_match_the_torch_backend(blocks):
+    """``log_probs_from_logits`` (the one-label gradient) and ``(N, K)`` labels with ignored
+    candidates, scalar temperature: the kept-set kernels against the torch backend."""
+    N, V, K = 20, 257, 3
+    g = gen(41)
+    x = torch.randn(N, V, generator=g) * 2
+    labels = torch.randint(0, V, (N, K), generator=g)
+    labels[2, 1] = IGNORE
+    labels[5] = IGNORE
+    out = {}
+    for be in ("torch", "triton"):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        lp1 = R.log_probs_from_logits(a, labels[:, 0].clamp_min(0), top_p=0.8, backend=be)
+        lpk = R.log_probs_from_logits(
+            b, labels, temperature=0.7, top_k=40, ignore_index=IGNORE, backend=be
+        )
+        lp1.sum().backward()
+        (lpk * torch.arange(1.0, K + 1)).sum().backward()
+        out[be] = (lp1, a.grad, lpk, b.grad)
+    for u, w in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(u, w, atol=2e-5, rtol=1e-5)
+
+
+def test_kept_set_response_functions_dense_and_packed_match_the_torch_backend():
+    """The response functions read their rows in place (dense) and through an offset table with
+    repeated rows summed in backward (packed): kept-set kernels against the torch backend."""
+    B, S, V, Rl = 3, 9, 131, 4
+    g = gen(42)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    logits = torch.randn(B, S, V, generator=g) * 2
+    packed = logits.reshape(B * S, V)[mask.bool().view(-1)]
+    temp = torch.rand(B, 1, generator=g) + 0.5
+    kept = torch.randint(0, V, (B, Rl, 12), generator=g)
+    out = {}
+    for be in ("torch", "triton"):
+        dense, flat = logits.clone().requires_grad_(), packed.clone().requires_grad_()
+        a = R.log_probs_from_logits_response(
+            ids, dense, Rl, temperature=temp, top_p=0.85, top_k=50, backend=be
+        )
+        b = R.log_probs_from_logits_response_rmpad(
+            ids, mask, flat, Rl, temperature=temp, top_p=0.85, backend=be
+        )
+        c = R.log_probs_from_logits_response_rmpad(ids, mask, flat, Rl, kept=kept, backend=be)
+        (a.sum() + 2 * b.sum() + 3 * c.sum()).backward()
+        out[be] = (a, b, c, dense.grad, flat.grad)
+    for u, w in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(u, w, atol=2e-5, rtol=1e-5)
+
+
+def test_kept_set_fused_head_matches_the_torch_backend():
+    """The fused head's kept sets run each block's logits through the chosen backend."""
+    N, H, V = 12, 16, 200
+    g = gen(43)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.5
+    labels = torch.randint(0, V, (N,), generator=g)
+    out = {}
+    for be in ("torch", "triton"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = R.log_probs_and_entropy_from_hidden(
+            hh, ww, labels, temperature=0.9, top_p=0.9, backend=be
+        )
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        out[be] = (lp, ent, hh.grad, ww.grad)
+    for u, v in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(u, v, atol=2e-5, rtol=1e-5)
+
+
+def _kept_shard_worker() -> dict[str, tuple[torch.Tensor, ...]]:
+    """Rank 0 holds tokens [0, 90), rank 1 [90, 300) of which 200 are real (vocab_size 290)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    N = 16
+    g = gen(44)
+    x_full = torch.randn(N, 300, generator=g) * 2
+    labels = torch.randint(0, 290, (N,), generator=g)
+    start, width = (0, 90) if rank == 0 else (90, 210)
+    shard = R.VocabParallel(group=dist.group.WORLD, start=start)
+    out = {}
+    for be in ("torch", "triton"):
+        leaf = x_full[:, start : start + width].clone().requires_grad_()
+        res = R.log_probs_and_entropy_from_logits(
+            leaf, labels, temperature=0.8, top_k=30, top_p=0.9, kept_stats=True,
+            vocab_size=290, vocab_parallel=shard, backend=be,
+        )  # fmt: skip
+        (res.log_probs.sum() + 0.5 * res.entropy.sum()).backward()
+        out[be] = (res.log_probs.detach(), res.entropy.detach(), leaf.grad, res.outside,
+                   res.kept_count)  # fmt: skip
+    return out
+
+
+@pytest.mark.integration
+def test_kept_set_over_vocabulary_shards_matches_the_torch_backend():
+    """Two gloo ranks of uneven shards: the global thresholds (the sharded search) applied by the
+    kept-set kernels equal the torch backend's result; counts and ``outside`` exactly."""
+    from rlmath.distributed import run_distributed
+
+    for out in run_distributed(_kept_shard_worker, 2):
+        for a, b in zip(out["triton"][:3], out["torch"][:3], strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        assert torch.equal(out["triton"][3], out["torch"][3])
+        assert torch.equal(out["triton"][4], out["torch"][4])
+
+
+def test_auto_self_checks_the_kept_set_kernels_as_their_own_family(monkeypatch):
+    monkeypatch.setattr(backends, "_CHECKS", {})
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    x, labels = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    got = R.log_probs_from_logits(x, labels, top_p=0.9)
+    assert backends._CHECKS == {("triton", "kept", "cpu", torch.float32): None}
+    assert torch.equal(got, R.log_probs_from_logits(x, labels, top_p=0.9, backend="triton"))

@@ -394,6 +394,62 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
                 pi_case(dt, 151936, layout, "rows"),
             )
 
+    # -------------------------------------------------- a sampler's kept set
+    def kept_case(dt, V, layout, how, entropy):
+        B, S = 2, 5
+
+        def run():
+            x = logits((B, S, V), dt).requires_grad_()
+            if layout == "dense":
+                xs, lab_shape = x.reshape(B * S, V), (B * S,)
+            else:
+                xs, lab_shape = x[:, :-1], (B, S - 1)
+            labels = torch.randint(0, V, lab_shape, generator=_g(13))
+            t = torch.rand(lab_shape, generator=_g(14)) + 0.5
+            kw: dict[str, Any] = dict(temperature=t, backend="triton")
+            if how == "top_p":
+                kw.update(top_k=50, top_p=0.9)
+            elif how == "ids":
+                kw["kept"] = torch.randint(0, V, (*lab_shape, 20), generator=_g(15))
+            else:  # a replayed mask
+                kw["kept"] = torch.rand(*lab_shape, V, generator=_g(16)) < 0.01
+            if entropy:
+                lp, ent = R.log_probs_and_entropy_from_logits(xs, labels, **kw)
+                (lp.sum() + ent.sum()).backward()
+            else:
+                R.log_probs_from_logits(xs, labels, **kw).sum().backward()
+
+        return run
+
+    def kept_packed_case(dt, V):
+        def run():
+            ids = torch.randint(0, V, (2, 6), generator=_g(17))
+            mask = torch.ones(2, 6, dtype=torch.long)
+            mask[0, :2] = 0
+            x = logits((int(mask.sum()), V), dt).requires_grad_()
+            R.log_probs_from_logits_response_rmpad(
+                ids, mask, x, 3, temperature=0.8, top_p=0.9, backend="triton"
+            ).sum().backward()
+
+        return run
+
+    for dname, dt in dtypes.items():
+        if dname == "fp16" and not full:
+            continue
+        for layout in ("dense", "shifted"):
+            for how in ("top_p", "ids", "mask"):
+                yield (
+                    f"kept {how} {dname} V=151936 {layout} entropy=True",
+                    True,
+                    kept_case(dt, 151936, layout, how, True),
+                )
+            yield (
+                f"kept top_p {dname} V=151936 {layout} entropy=False",
+                True,
+                kept_case(dt, 151936, layout, "top_p", False),
+            )
+        yield (f"kept top_p packed {dname} V=151936", True, kept_packed_case(dt, 151936))
+
     # -------------------------------------------------- fused head
     def head_case(dt, V, temp, entropy, bias, ignore, real=None):
         N, H = 6, 16

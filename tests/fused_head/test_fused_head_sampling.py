@@ -167,8 +167,6 @@ def test_bad_input_and_unsupported_paths():
         h, w, labels, top_p=0.5, vocab_parallel=rlmath.VocabParallel()
     )
     assert torch.equal(one[0], vp[0]) and torch.equal(one[1], vp[1])
-    with pytest.raises(NotImplementedError, match="torch"):
-        log_probs_and_entropy_from_hidden(h, w, labels, top_p=0.5, backend="triton")
 
 
 def test_no_tensor_larger_than_a_block_of_logits(monkeypatch):

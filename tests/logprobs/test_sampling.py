@@ -314,12 +314,6 @@ def test_bad_types_raise_type_error():
             log_probs_from_logits(x, labels, **kw)
 
 
-def test_paths_without_truncation_support_raise():
-    x, labels = torch.randn(3, 10), torch.tensor([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="torch"):
-        log_probs_from_logits(x, labels, top_k=2, backend="triton")
-
-
 @pytest.mark.parametrize("combo", list(COMBOS), ids=str)
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_entropy_from_logits_under_the_kept_set(sampler, combo):

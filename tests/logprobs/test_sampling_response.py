@@ -93,7 +93,7 @@ def test_response_replay_equals_recompute():
         log_probs_from_logits_response(ids, logits, R, top_k=torch.ones(B, R, dtype=torch.long))
 
 
-def test_response_functions_raise_on_paths_without_truncation():
+def test_response_functions_ask_for_ids_when_a_shard_cannot_place_a_mask():
     import rlmath
 
     ids, mask, logits = padded_batch([5, 2], [4, 1], P, R, seed=6)
@@ -104,5 +104,3 @@ def test_response_functions_raise_on_paths_without_truncation():
         with pytest.raises(ValueError, match="token ids"):
             kept = torch.ones(ids.shape[0], R, logits.shape[-1], dtype=torch.bool)
             fn(*args, kept=kept, vocab_parallel=rlmath.VocabParallel(start=0))
-        with pytest.raises(NotImplementedError, match="torch"):
-            fn(*args, top_k=3, backend="triton")

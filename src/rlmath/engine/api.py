@@ -49,7 +49,6 @@ from rlmath.engine.truncation import (
     SampledLogProbs,
     Truncation,
     check_truncation,
-    no_truncation_paths,
     truncation_columns,
     truncation_width,
 )
@@ -184,6 +183,8 @@ def _config(
     family: str,
     **fields: Any,
 ) -> OpConfig:
+    if family == "logits" and fields.get("sampler"):
+        family = "kept"  # a sampler's kept set: its own kernels' self-check
     name = resolve_backend(backend, tensor, family)
     if shard is None:
         return OpConfig(backend=name, **fields)
@@ -289,8 +290,6 @@ def log_probs_entropy(
             split=vocab_parallel is not None, device=x.device,
             shape_name=f"{logits_name}.shape[:-1]", rows_name=f"{logits_name}.shape[:-1]",
         )  # fmt: skip
-        if trunc.active:
-            backend = no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, want_entropy=want_entropy, ignore_index=ig,
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
@@ -470,26 +469,22 @@ def _response_truncation(
     B: int,
     S: int,
     R: int,
-    backend: object,
     vocab_parallel: object,
-) -> tuple[Truncation, object]:
-    """The checked truncation arguments of a response function, and its backend.
+) -> Truncation:
+    """The checked truncation arguments of a response function.
 
     Per-row parameters broadcast to ``(B, S)`` (the predicting position, as the
     temperature); ``kept`` is ``(B, R, ·)``, one row per response token.
     """
     if not truncation:
-        return Truncation(), backend
-    trunc = check_truncation(
+        return Truncation()
+    return check_truncation(
         **truncation, batch=(B, S), rows=(B, R),
         width=truncation_width(shard, x.shape[-1], vocab_parallel),
         real=truncation_columns(shard, x.shape[-1], vocab_parallel),
         split=vocab_parallel is not None, device=x.device, shape_name="input_ids.shape",
         rows_name="(B, response_length)",
     )  # fmt: skip
-    if not trunc.active:
-        return trunc, backend
-    return trunc, no_truncation_paths(trunc, backend=backend, vocab_parallel=vocab_parallel)
 
 
 def _response_result(
@@ -543,7 +538,7 @@ def dense_response_log_probs(
     temp, scalar = check_temperature(
         temperature, (B, S), x.device, validate=validate, shape_name="input_ids.shape"
     )
-    trunc, backend = _response_truncation(truncation, x, shard, B, S, R, backend, vocab_parallel)
+    trunc = _response_truncation(truncation, x, shard, B, S, R, vocab_parallel)
     cfg = _config(
         backend, x, family="logits", temperature=scalar, narrow=(1, S - R - 1, R),
         chunk_size=check_positive_int_or_none("chunk_size", chunk_size), shard=shard,
@@ -610,9 +605,7 @@ def packed_response_log_probs(
         packed = torch.ones(nnz + 1, dtype=dense.dtype, device=x.device)
         slot = torch.where(row_of >= 0, row_of, nnz).reshape(-1)
         temp = packed.scatter(0, slot, dense)[:nnz]
-    trunc, backend = _response_truncation(
-        truncation, x, shard, B, S, response_length, backend, vocab_parallel
-    )
+    trunc = _response_truncation(truncation, x, shard, B, S, response_length, vocab_parallel)
     sampling = trunc.sampling
     if sampling is not None:
         # As the temperature: each packed row takes its own position's parameters.
@@ -791,21 +784,19 @@ def fused_head(
     h, w, b = _head_dtype(h, w, b)
     if truncating:
         real = shard.real_columns(w.shape[0]) if shard is not None else w.shape[0]
-        trunc = check_truncation(
+        check_truncation(  # validates; the head passes the values on
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=None,
             kept_stats=kept_stats, batch=batch, rows=batch, width=real,
             real=truncation_columns(shard, w.shape[0], vocab_parallel),
             split=vocab_parallel is not None, device=h.device,
             shape_name=f"{names[0]}.shape[:-1]", rows_name=f"{names[0]}.shape[:-1]",
         )  # fmt: skip
-        if backend not in ("auto", "torch"):
-            no_truncation_paths(trunc, backend=backend, vocab_parallel=None)
         params = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "sampler": sampler}
         logp, ent, outside, count = truncated_head(
             h, w, b, lab2d.reshape(out_shape),
             temperature=temperature, params=params, scale=scale, cap=cap, real=real,
             want_entropy=bool(want_entropy), ignore_index=ig,
-            chunk_size=check_positive_int_or_none("chunk_size", chunk_size),
+            chunk_size=check_positive_int_or_none("chunk_size", chunk_size), backend=backend,
             vocab_parallel=vocab_parallel, vocab_size=vocab_size,
             group=resolve_group(shard.group) if shard is not None and shard.group else None,
             reduce_grad_hidden=bool(reduce_grad_hidden),

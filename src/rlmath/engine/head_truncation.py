@@ -54,6 +54,7 @@ class _Spec:
     want_entropy: bool
     ignore_index: int | None
     chunk_size: int | None
+    backend: object
     shard: dict[str, Any]
     step: int
     group: Any
@@ -69,7 +70,7 @@ class _Spec:
             "temperature": cut(self.temperature),
             "ignore_index": self.ignore_index,
             "chunk_size": self.chunk_size,
-            "backend": "torch",
+            "backend": self.backend,
             "kept_stats": True,
             **{k: cut(v) for k, v in self.params.items()},
             **self.shard,
@@ -178,6 +179,7 @@ def truncated_head(
     want_entropy: bool,
     ignore_index: int | None,
     chunk_size: int | None,
+    backend: object = "auto",
     vocab_parallel: Any = None,
     vocab_size: object = None,
     group: Any = None,
@@ -191,7 +193,8 @@ def truncated_head(
     scalars or tensors broadcastable to ``h.shape[:-1]``; ``real``: the rows of
     ``w`` that are tokens. With ``vocab_parallel`` (and the resolved process
     ``group``), ``w`` holds this rank's rows and ``vocab_size`` is the whole
-    vocabulary's real tokens, as the logits functions take them.
+    vocabulary's real tokens, as the logits functions take them. ``backend``
+    runs each block's logits (their product with the head is PyTorch's).
     """
     batch = tuple(h.shape[:-1])
     n = math.prod(batch)
@@ -205,7 +208,7 @@ def truncated_head(
         temperature=_rows(temperature, batch),
         params={k: _rows(v, batch) for k, v in params.items()},
         scale=scale, cap=cap, want_entropy=want_entropy, ignore_index=ignore_index,
-        chunk_size=chunk_size, shard=shard, step=max(1, BLOCK_ENTRIES // max(real, 1)),
+        chunk_size=chunk_size, backend=backend, shard=shard, step=max(1, BLOCK_ENTRIES // max(real, 1)),
         group=group if vocab_parallel is not None else None,
         reduce_grad_hidden=reduce_grad_hidden,
     )  # fmt: skip

@@ -10,6 +10,8 @@ once. The families are the groups of passes one public function uses:
 
 - ``"logits"``: log-probs and entropy from logits (dense rows, rows read
   through an offset table, the packed rows of a response),
+- ``"kept"``: the same under a sampler's kept set (a threshold search with
+  ``top_k`` and ``top_p``, a replayed set of token ids),
 - ``"kl"``: the exact KL and both gradients,
 - ``"pi_squared"``: ``Σ π²``,
 - ``"head"``: the fused LM head, forward and backward.
@@ -95,8 +97,31 @@ def _head(backend: str, dtype: torch.dtype, device: torch.device) -> Outputs:
     return [lp, ent, h.grad, w.grad]
 
 
+def _kept(backend: str, dtype: torch.dtype, device: torch.device) -> Outputs:
+    import rlmath as R
+
+    B, S, V = 2, 5, 4160
+    x = _data((B, S, V), dtype, device, 11)
+    labels = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(12)).to(device)
+    temp = (torch.rand(B, S, generator=torch.Generator().manual_seed(13)) + 0.5).to(device)
+    leaf = x.clone().requires_grad_()
+    out = R.log_probs_and_entropy_from_logits(
+        leaf, labels, temperature=temp, top_k=200, top_p=0.9, kept_stats=True, backend=backend
+    )
+    assert out.entropy is not None
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    ids = torch.randint(0, V, (B, S, 40), generator=torch.Generator().manual_seed(14)).to(device)
+    flat = x.reshape(B * S, V).clone().requires_grad_()
+    lp = R.log_probs_from_logits(
+        flat, labels.reshape(-1), kept=ids.reshape(B * S, 40), backend=backend
+    )
+    lp.sum().backward()
+    return [out.log_probs, out.entropy, out.kept_count.double(), leaf.grad, lp, flat.grad]
+
+
 FAMILIES: dict[str, Callable[[str, torch.dtype, torch.device], Outputs]] = {
     "logits": _logits,
+    "kept": _kept,
     "kl": _kl,
     "pi_squared": _pi_squared,
     "head": _head,

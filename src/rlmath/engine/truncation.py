@@ -21,7 +21,6 @@ __all__ = [
     "SampledLogProbs",
     "Truncation",
     "check_truncation",
-    "no_truncation_paths",
     "truncation_columns",
     "truncation_width",
 ]
@@ -318,19 +317,3 @@ def truncation_width(shard: Any, width: int, vocab_parallel: object) -> int:
     if vocab_parallel is None:
         return width
     return int(shard.total) if shard is not None and shard.stride else 0
-
-
-def no_truncation_paths(trunc: Truncation, *, backend: object, vocab_parallel: object) -> str:
-    """The backend of a truncating call (``"torch"``); other paths raise.
-
-    Raises:
-        NotImplementedError: the Triton backend.
-    """
-    if backend == "triton":
-        raise NotImplementedError(
-            "top_k, top_p, min_p, kept and kept_stats run on the pure-torch backend only; "
-            "pass backend='torch' or 'auto'"
-        )
-    if backend == "auto":
-        return "torch"
-    return backend  # type: ignore[return-value]

@@ -31,6 +31,7 @@ __all__ = [
     "chunk_stats",
     "drop_dead_rows",
     "kept_chunk_stats",
+    "kept_thresholds",
     "label_logits",
     "logits_max",
     "logits_stats",
@@ -279,3 +280,34 @@ def logits_max(
 
     run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)
     return m
+
+
+def kept_thresholds(
+    logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    narrow: tuple[int, int, int] | None,
+    temperature: Temperature,
+    real: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+    restrict: KeptSet,
+) -> None:
+    """Fill ``restrict.tau`` (its search, when it has one to run) and ``restrict.count``.
+
+    The threshold search of :meth:`~rlmath.engine.sampling.KeptSet.chunk`,
+    chunk by chunk, without the statistics: for a backend whose kernels take
+    the thresholds as given. Arguments as in :func:`logits_stats`.
+    """
+    dev = logits.device
+    src = RowSource(logits, real, row_index, narrow)
+    M = src.num_rows
+    if M == 0 or real == 0:
+        return
+    chunk = chunk or auto_chunk_size(real, M, device=dev)
+    temp = TemperatureColumn(temperature, dtype, dev)
+
+    def one_chunk(a: int, b: int, ws: Workspace) -> None:
+        restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
+
+    ranges = list(src.ranges(chunk))
+    run_chunks(ranges, one_chunk, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)

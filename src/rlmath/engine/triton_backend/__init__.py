@@ -7,7 +7,9 @@ unavailable with that reason. One module per pass, with the signatures and
 results of the pure-torch ones: ``logits_forward``, ``logits_backward``,
 ``kl_forward``, ``kl_backward``, ``head_forward``, ``head_backward`` and
 ``sum_pi_squared``, over the shared ``row_math`` (jit helpers), ``launch``
-(block sizes, rows, temperatures) and ``head_blocks`` (the head's blocks).
+(block sizes, rows, temperatures), ``kept_math`` (a sampler's kept set in
+the logits passes; its threshold search is the pure-torch one, run on the
+logits' device) and ``head_blocks`` (the head's blocks).
 
 Accepts fp32, bf16 and fp16 tensors on CUDA devices; fp64 inputs are left to
 the pure-torch backend (``"auto"`` picks it; ``backend="triton"`` on fp64 is
@@ -27,6 +29,7 @@ import os
 import torch
 
 from rlmath.engine.backends import Backend, Kernels, register_backend
+from rlmath.engine.torch_backend.kept_shards import sharded_thresholds
 
 # Before the kernels: raises ImportError (the backend is then unavailable)
 # without a usable triton.
@@ -80,6 +83,7 @@ TRITON_KERNELS = Kernels(
     head_grad=head_grad,
     pi_squared_stats=pi_squared_stats,
     head_tiles=head_tiles,
+    kept_thresholds=sharded_thresholds,
 )
 
 TRITON_BACKEND = Backend(

@@ -17,11 +17,19 @@ written once, never zero-filled first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from rlmath.engine.torch_backend.logits_backward import logits_grad as torch_logits_grad
+from rlmath.engine.triton_backend.kept_math import (
+    kept_args,
+    kept_block,
+    scaled,
+    temperature_value,
+)
 from rlmath.engine.triton_backend.launch import (
     as_u8,
     block_config,
@@ -31,7 +39,15 @@ from rlmath.engine.triton_backend.launch import (
     row_layout,
     temperature_args,
 )
-from rlmath.engine.triton_backend.row_math import grad_entries, inv_temperature
+from rlmath.engine.triton_backend.row_math import (
+    exp_ftz,
+    grad_entries,
+    grad_of_block,
+    inv_temperature,
+)
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["logits_grad"]
 
@@ -50,19 +66,49 @@ def _member_grad(
     SIGN,
     TEMP,
     inv_t_scalar,
+    t_scalar,
+    n_real,
+    block_index,
+    TAU,
+    MASK,
+    mask_stride,
+    IDS,
+    ids_stride,
+    BOUNDS,
+    bounds_stride,
+    ADD,
+    K_ADD,
     TEMP_MODE: tl.constexpr,
     HAS_BETA: tl.constexpr,
     HAS_W: tl.constexpr,
     LOGP_ONLY: tl.constexpr,
     HAS_SIGN: tl.constexpr,
+    KEEP_MODE: tl.constexpr,
 ):
-    inv_t = inv_temperature(TEMP, idx, inv_t_scalar, TEMP_MODE)
     beta = 0.0
     if HAS_BETA:
         beta = tl.load(BETA + idx)
     sign = -1.0
     if HAS_SIGN:
         sign = tl.load(SIGN + idx)
+    if KEEP_MODE != 0:
+        # A sampler's kept set: probabilities 0 outside it, the logits scaled by the
+        # division its threshold search used.
+        T = t_scalar
+        if TEMP_MODE == 2:
+            T = tl.load(TEMP + idx).to(tl.float32)
+        z = scaled(x, T, TEMP_MODE)
+        keep = kept_block(
+            z, cols, idx, TAU, MASK, mask_stride, IDS, ids_stride, BOUNDS, bounds_stride,
+            block_index, ADD, K_ADD, n_real, KEEP_MODE,
+        )  # fmt: skip
+        ls = z - tl.load(LSE + idx)
+        p = tl.where(keep, exp_ftz(ls), 0.0)
+        return grad_of_block(
+            p, ls, cols, tl.load(ALPHA + idx), beta, LAB + idx * K, W + idx * K, sign, K, 0,
+            HAS_BETA, HAS_W, LOGP_ONLY,
+        )  # fmt: skip
+    inv_t = inv_temperature(TEMP, idx, inv_t_scalar, TEMP_MODE)
     return grad_entries(
         x,
         cols,
@@ -103,10 +149,20 @@ def _logits_grad_kernel(
     SIGN,
     TEMP,
     inv_t_scalar,
+    t_scalar,
     DEAD,
     ORDER,
     START,
     END,
+    TAU,
+    MASK,
+    mask_stride,
+    IDS,
+    ids_stride,
+    BOUNDS,
+    bounds_stride,
+    ADD,
+    K_ADD,
     HAS_SRC: tl.constexpr,
     HAS_DST: tl.constexpr,
     GROUPED: tl.constexpr,
@@ -116,6 +172,7 @@ def _logits_grad_kernel(
     LOGP_ONLY: tl.constexpr,
     HAS_SIGN: tl.constexpr,
     HAS_DEAD: tl.constexpr,
+    KEEP_MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -155,7 +212,9 @@ def _logits_grad_kernel(
                 idx = tl.load(ORDER + j).to(tl.int64)
                 gj = _member_grad(
                     x, c, idx, LSE, ALPHA, BETA, W, LAB, K, SIGN, TEMP, inv_t_scalar,
-                    TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN,
+                    t_scalar, n_real, start // BLOCK, TAU, MASK, mask_stride, IDS, ids_stride,
+                    BOUNDS, bounds_stride, ADD, K_ADD,
+                    TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN, KEEP_MODE,
                 )  # fmt: skip
                 if HAS_DEAD:
                     gj = tl.where(tl.load(DEAD + idx) != 0, 0.0, gj)
@@ -163,7 +222,9 @@ def _logits_grad_kernel(
         else:
             g = _member_grad(
                 x, c, i, LSE, ALPHA, BETA, W, LAB, K, SIGN, TEMP, inv_t_scalar,
-                TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN,
+                t_scalar, n_real, start // BLOCK, TAU, MASK, mask_stride, IDS, ids_stride,
+                BOUNDS, bounds_stride, ADD, K_ADD,
+                TEMP_MODE, HAS_BETA, HAS_W, LOGP_ONLY, HAS_SIGN, KEEP_MODE,
             )  # fmt: skip
             g = tl.where(live, g, 0.0)
         g = tl.where(inside, g, 0.0)
@@ -187,17 +248,19 @@ def logits_grad(
     label_sign: torch.Tensor | None,
     real: int,
     chunk: int | None,
+    restrict: KeptSet | None = None,
 ) -> torch.Tensor:
     """The gradient of the logits (their shape and dtype; zero on unused rows and padding columns).
 
-    Args as in :func:`rlmath.engine.torch_backend.logits_backward.logits_grad`;
+    Args as in :func:`rlmath.engine.torch_backend.logits_backward.logits_grad`
+    (``restrict``: a kept set with its thresholds found in forward);
     ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass.
     """
     if lse.dtype != torch.float32:
         return torch_logits_grad(
             logits, row_index, narrow, lse=lse, alpha=alpha, beta=beta, w=w, labels=labels,
             temperature=temperature, dead=dead, logp_only=logp_only, label_sign=label_sign,
-            real=real, chunk=chunk,
+            real=real, chunk=chunk, restrict=restrict,
         )  # fmt: skip
     V = logits.shape[-1]
     M = lse.shape[0]
@@ -244,6 +307,7 @@ def logits_grad(
         block, warps = block_config(V, logits.element_size(), streams=2, per_thread=8)
     else:
         block, warps = block_config(V, logits.element_size())
+    ka = kept_args(restrict, lse, block, V)
     _logits_grad_kernel[(programs,)](
         x_base,
         src if src is not None else dummy,
@@ -264,10 +328,20 @@ def logits_grad(
         label_sign.contiguous() if label_sign is not None else dummy,
         temp,
         inv_t,
+        temperature_value(temperature),
         as_u8(dead) if dead is not None else dummy,
         order,
         first,
         end,
+        ka.tau,
+        ka.mask,
+        ka.mask_stride,
+        ka.ids,
+        ka.ids_stride,
+        ka.bounds,
+        ka.bounds_stride,
+        ka.add,
+        ka.K,
         HAS_SRC=src is not None,
         HAS_DST=dst is not None,
         GROUPED=grouped,
@@ -277,6 +351,7 @@ def logits_grad(
         LOGP_ONLY=bool(logp_only) and lab is not None,
         HAS_SIGN=label_sign is not None,
         HAS_DEAD=dead is not None,
+        KEEP_MODE=ka.mode,
         BLOCK=block,
         num_warps=warps,
     )

@@ -10,11 +10,20 @@ strides), writes ``3·M + M·K`` fp32 numbers; same signature and results as
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
+from rlmath.engine.torch_backend.logits_forward import kept_thresholds
 from rlmath.engine.torch_backend.logits_forward import logits_stats as torch_logits_stats
+from rlmath.engine.triton_backend.kept_math import (
+    kept_args,
+    kept_row_stats,
+    scaled,
+    temperature_value,
+)
 from rlmath.engine.triton_backend.launch import (
     block_config,
     int32_columns,
@@ -24,6 +33,9 @@ from rlmath.engine.triton_backend.launch import (
     temperature_args,
 )
 from rlmath.engine.triton_backend.row_math import inv_temperature, row_stats
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["logits_stats"]
 
@@ -40,14 +52,25 @@ def _logits_stats_kernel(
     n_load,
     TEMP,
     inv_t_scalar,
+    t_scalar,
     LAB,
     K,
     M_OUT,
     S_OUT,
     T_OUT,
     Z_OUT,
+    TAU,
+    MASK,
+    mask_stride,
+    IDS,
+    ids_stride,
+    BOUNDS,
+    bounds_stride,
+    ADD,
+    K_ADD,
     HAS_OFF: tl.constexpr,
     TEMP_MODE: tl.constexpr,
+    KEEP_MODE: tl.constexpr,
     WANT_T: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     PAD: tl.constexpr,
@@ -60,10 +83,20 @@ def _logits_stats_kernel(
         start = i * row_stride
     row = X + start
     inv_t = inv_temperature(TEMP, i, inv_t_scalar, TEMP_MODE)
-    neg_inf = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
-    m, s, t = row_stats(
-        row, col_stride, n, n_load, inv_t, neg_inf, 0.0, 0.0, TEMP_MODE, WANT_T, PAD, BLOCK
-    )
+    if KEEP_MODE == 0:
+        neg_inf = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
+        m, s, t = row_stats(
+            row, col_stride, n, n_load, inv_t, neg_inf, 0.0, 0.0, TEMP_MODE, WANT_T, PAD, BLOCK
+        )
+    else:
+        # A sampler's kept set: the logits scaled by a division, as its threshold search did.
+        T = t_scalar
+        if TEMP_MODE == 2:
+            T = tl.load(TEMP + i).to(tl.float32)
+        m, s, t = kept_row_stats(
+            row, col_stride, n, n_load, T, i, TAU, MASK, mask_stride, IDS, ids_stride,
+            BOUNDS, bounds_stride, ADD, K_ADD, TEMP_MODE, KEEP_MODE, WANT_T, PAD, BLOCK,
+        )  # fmt: skip
     tl.store(M_OUT + i, m)
     tl.store(S_OUT + i, s)
     if WANT_T:
@@ -74,7 +107,9 @@ def _logits_stats_kernel(
             # An out-of-range label reads nothing and gives NaN (its log-prob is NaN).
             ok = tl.where(lab >= 0, lab < n, False)
             z = tl.load(row + lab * col_stride, mask=ok, other=float("nan")).to(tl.float32)
-            if TEMP_MODE != 0:
+            if KEEP_MODE != 0:
+                z = scaled(z, T, TEMP_MODE)
+            elif TEMP_MODE != 0:
                 z = z * inv_t
             tl.store(Z_OUT + i * K + k, z)
 
@@ -90,17 +125,25 @@ def logits_stats(
     real: int,
     chunk: int | None,
     dtype: torch.dtype,
+    restrict: KeptSet | None = None,
 ) -> Stats:
     """``(m, s, t, z_labels)`` of every selected row of ``logits`` (one kernel launch).
 
     Args as in :func:`rlmath.engine.torch_backend.logits_forward.logits_stats`;
-    ``chunk`` is not used (one program per row, no chunks). An fp64 compute
-    dtype runs the pure-torch pass.
+    ``chunk`` is not used (one program per row, no chunks) but by the
+    threshold search of a kept set (``restrict``: pure torch, chunk by chunk,
+    before the kernel; :mod:`.kept_math`). An fp64 compute dtype runs the
+    pure-torch pass.
     """
     if dtype != torch.float32:
         return torch_logits_stats(
-            logits, row_index, narrow, labels, temperature, want_entropy, real, chunk, dtype
-        )
+            logits, row_index, narrow, labels, temperature, want_entropy, real, chunk, dtype,
+            restrict=restrict,
+        )  # fmt: skip
+    if restrict is not None and (
+        (restrict.kept is None and restrict.forward) or restrict.count is not None
+    ):
+        kept_thresholds(logits, row_index, narrow, temperature, real, chunk, dtype, restrict)
     dev = logits.device
     logits = int32_columns(logits)
     off: torch.Tensor | None
@@ -123,6 +166,7 @@ def logits_stats(
     lab = labels.contiguous() if labels is not None else m
     block, warps = block_config(real, logits.element_size())
     n_load = load_width(real, logits.shape[-1])
+    ka = kept_args(restrict, m, block, real)
     _logits_stats_kernel[(M,)](
         base,
         off if off is not None else m,
@@ -132,14 +176,25 @@ def logits_stats(
         n_load,
         temp,
         inv_t,
+        temperature_value(temperature),
         lab,
         K,
         m,
         s,
         t if t is not None else m,
         z if z is not None else m,
+        ka.tau,
+        ka.mask,
+        ka.mask_stride,
+        ka.ids,
+        ka.ids_stride,
+        ka.bounds,
+        ka.bounds_stride,
+        ka.add,
+        ka.K,
         HAS_OFF=off is not None,
         TEMP_MODE=mode,
+        KEEP_MODE=ka.mode,
         WANT_T=want_entropy,
         HAS_LABELS=labels is not None,
         PAD=n_load > real,

@@ -18,7 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["exp_ftz", "grad_entries", "inv_temperature", "row_stats"]
+__all__ = [
+    "exp_ftz",
+    "grad_entries",
+    "grad_of_block",
+    "inv_temperature",
+    "merge_block",
+    "row_stats",
+]
 
 # exp(-1e4) is 0 in fp32: a floor for shifted logits and log-probs in products
 # with their own exponential, so that 0·(-inf) never makes a NaN.
@@ -91,22 +98,29 @@ def row_stats(
             x = tl.where(c < n, x, float("-inf"))
         if TEMP_MODE != 0:
             x = x * inv_t
-        m_new = tl.maximum(m, tl.max(x, 0))
-        if m_new > m:
-            # The lanes' sums are relative to m: move them to m_new (a zero
-            # scale where nothing was seen yet, m = -inf).
-            scale = exp_ftz(m - m_new)
-            if WANT_T:
-                d = tl.where(m == float("-inf"), 0.0, m - m_new)
-                t_vec = scale * (t_vec + d * s_vec)
-            s_vec = s_vec * scale
-            m = m_new
-        y = x - tl.where(m == float("-inf"), 0.0, m)
-        e = exp_ftz(y)
-        s_vec += e
-        if WANT_T:
-            t_vec += e * tl.maximum(y, LS_FLOOR)
+        m, s_vec, t_vec = merge_block(x, m, s_vec, t_vec, WANT_T)
     return m, tl.sum(s_vec, 0), tl.sum(t_vec, 0)
+
+
+@triton.jit
+def merge_block(x, m, s_vec, t_vec, WANT_T: tl.constexpr):
+    """The running ``(m, s_vec, t_vec)`` of :func:`row_stats` with one block ``x`` of scaled logits."""
+    m_new = tl.maximum(m, tl.max(x, 0))
+    if m_new > m:
+        # The lanes' sums are relative to m: move them to m_new (a zero
+        # scale where nothing was seen yet, m = -inf).
+        scale = exp_ftz(m - m_new)
+        if WANT_T:
+            d = tl.where(m == float("-inf"), 0.0, m - m_new)
+            t_vec = scale * (t_vec + d * s_vec)
+        s_vec = s_vec * scale
+        m = m_new
+    y = x - tl.where(m == float("-inf"), 0.0, m)
+    e = exp_ftz(y)
+    s_vec += e
+    if WANT_T:
+        t_vec += e * tl.maximum(y, LS_FLOOR)
+    return m, s_vec, t_vec
 
 
 @triton.jit
@@ -142,6 +156,28 @@ def grad_entries(
         x = x * inv_t
     ls = x - lse
     p = exp_ftz(ls)
+    return grad_of_block(
+        p, ls, cols, alpha, beta, LAB, W, sign, K, col0, HAS_BETA, HAS_W, LOGP_ONLY
+    )
+
+
+@triton.jit
+def grad_of_block(
+    p,
+    ls,
+    cols,
+    alpha,
+    beta,
+    LAB,
+    W,
+    sign,
+    K,
+    col0,
+    HAS_BETA: tl.constexpr,
+    HAS_W: tl.constexpr,
+    LOGP_ONLY: tl.constexpr,
+):
+    """:func:`grad_entries` from a block's probabilities ``p`` and log-probs ``ls``."""
     g_cols = cols + col0
     if LOGP_ONLY:
         lab = tl.load(LAB)
