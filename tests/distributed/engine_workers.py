@@ -96,6 +96,44 @@ def dtensor_logits(p: dict[str, torch.Tensor], placement: Any, ref_plain: bool) 
     }
 
 
+def _kept_run(p: dict[str, torch.Tensor], x: Any, how: str) -> tuple[Any, Any]:
+    """A sampler's kept set (``how``: per-row top-p with top-k, or replayed ids) on ``x``."""
+    g = torch.Generator().manual_seed(11)
+    top_p = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.5 + 0.4
+    ids = torch.randint(0, V, (B, T, 4), generator=g)
+    kw: dict[str, Any] = (
+        {"top_k": 6, "top_p": top_p, "min_p": 0.01} if how == "rule" else {"kept": ids}
+    )
+    return R.log_probs_and_entropy_from_logits(
+        x, p["labels"], temperature=p["temp"], ignore_index=IGNORE, kept_stats=True, **kw
+    ), top_p
+
+
+def dtensor_kept(p: dict[str, torch.Tensor], placement: Any, how: str) -> dict[str, Any]:
+    """A sampler's kept set on DTensor logits against the full tensor (per-row ``top_p`` and a
+    replayed ``kept`` given as plain global tensors, cut by rlmath like the temperature)."""
+    mesh = init_device_mesh("cpu", (2,))
+    full = p["logits"].clone().requires_grad_()
+    want, _ = _kept_run(p, full, how)
+    ((want.log_probs * p["c1"]).sum() + (want.entropy * p["c2"]).sum()).backward()
+    x = distribute_tensor(p["logits"], mesh, [placement]).requires_grad_()
+    got, _ = _kept_run(p, x, how)
+    c1, c2 = p["c1"], p["c2"]
+    if isinstance(placement, Shard) and placement.dim == 0:
+        rank = torch.distributed.get_rank()
+        c1, c2 = c1.chunk(2)[rank], c2.chunk(2)[rank]
+    ((_local(got.log_probs) * c1).sum() + (_local(got.entropy) * c2).sum()).backward()
+    return {
+        "is_dtensor": all(isinstance(y, DTensor) for y in got),
+        "lp": _max_diff(got.log_probs, want.log_probs.detach()),
+        "ent": _max_diff(got.entropy, want.entropy.detach()),
+        "gx": _max_diff(x.grad, full.grad),
+        "outside": bool(torch.equal(_full(got.outside), want.outside)),
+        "count": bool(torch.equal(_full(got.kept_count), want.kept_count)),
+        "some_cut": bool((want.kept_count < V).any()),
+    }
+
+
 def single_head(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     h = p["hidden"].clone().requires_grad_()
     w, b = p["weight"].clone().requires_grad_(), p["bias"].clone().requires_grad_()
@@ -130,6 +168,33 @@ def dtensor_head(p: dict[str, torch.Tensor]) -> dict[str, Any]:
     except TypeError as e:
         out["plain_hidden_error"] = str(e)
     return out
+
+
+def dtensor_head_kept(p: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The fused head under a sampler's kept set with a vocabulary-sharded DTensor weight."""
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(12)
+    top_p = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.5 + 0.4
+    kw: dict[str, Any] = dict(temperature=p["temp"], top_k=6, top_p=top_p, kept_stats=True)
+    h, w, b = (p[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    want = R.log_probs_and_entropy_from_hidden(h, w, p["labels"], bias=b, **kw)
+    ((want.log_probs * p["c1"]).sum() + (want.entropy * p["c2"]).sum()).backward()
+    hd = distribute_tensor(p["hidden"], mesh, [Replicate()]).requires_grad_()
+    wd = distribute_tensor(p["weight"], mesh, [Shard(0)]).requires_grad_()
+    bd = distribute_tensor(p["bias"], mesh, [Shard(0)]).requires_grad_()
+    got = R.log_probs_and_entropy_from_hidden(hd, wd, p["labels"], bias=bd, **kw)
+    ((_local(got.log_probs) * p["c1"]).sum() + (_local(got.entropy) * p["c2"]).sum()).backward()
+    return {
+        "is_dtensor": all(isinstance(y, DTensor) for y in got),
+        "lp": _max_diff(got.log_probs, want.log_probs.detach()),
+        "ent": _max_diff(got.entropy, want.entropy.detach()),
+        "gh": _max_diff(hd.grad, h.grad),
+        "gw": _max_diff(wd.grad, w.grad),
+        "gb": _max_diff(bd.grad, b.grad),
+        "outside": bool(torch.equal(_full(got.outside), want.outside)),
+        "count": bool(torch.equal(_full(got.kept_count), want.kept_count)),
+        "some_cut": bool((want.kept_count < V).any()),
+    }
 
 
 def partial_error(p: dict[str, torch.Tensor]) -> str:
@@ -229,6 +294,10 @@ def worker() -> dict[str, Any]:
         "replicate": dtensor_logits(p, Replicate(), ref_plain=False),
         "shard_rows": dtensor_logits(p, Shard(0), ref_plain=False),
         "head": dtensor_head(p),
+        "kept_shard_vocab": dtensor_kept(p, Shard(-1), "rule"),
+        "kept_shard_vocab_ids": dtensor_kept(p, Shard(-1), "ids"),
+        "kept_shard_rows": dtensor_kept(p, Shard(0), "rule"),
+        "kept_head": dtensor_head_kept(p),
         "partial_error": partial_error(p),
         "same_functions": same_functions(p),
         "ignored_rows_temperature": ignored_rows_temperature(p),

@@ -41,6 +41,28 @@ def test_dtensor_logits_equal_the_full_tensor(results, case, placement):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("case", ["kept_shard_vocab", "kept_shard_vocab_ids", "kept_shard_rows"])
+def test_dtensor_logits_under_a_samplers_kept_set_equal_the_full_tensor(results, case):
+    """Per-row ``top_p`` with ``top_k`` and ``min_p``, or replayed ids, on DTensor logits sharded
+    over the vocabulary (the kept set found over the mesh's group) or over rows: values,
+    gradients, kept-set sizes and ``outside`` as on the full tensor."""
+    for r in results:
+        res = r[case]
+        assert res["is_dtensor"] and res["outside"] and res["count"] and res["some_cut"]
+        for key in ("lp", "ent", "gx"):
+            assert res[key] < TOL, (case, key, res[key])
+
+
+@pytest.mark.integration
+def test_dtensor_head_under_a_samplers_kept_set_equals_the_full_tensors(results):
+    for r in results:
+        res = r["kept_head"]
+        assert res["is_dtensor"] and res["outside"] and res["count"] and res["some_cut"]
+        for key in ("lp", "ent", "gh", "gw", "gb"):
+            assert res[key] < TOL, (key, res[key])
+
+
+@pytest.mark.integration
 def test_a_plain_reference_tensor_gets_each_ranks_share(results):
     want = single_logits(problem())["gr"]
     local = [r["shard_vocab_plain_ref"]["gr_local"] for r in results]

@@ -252,17 +252,14 @@ def log_probs_entropy(
         top_k is not None or top_p is not None or min_p is not None or kept is not None
         or kept_stats is not False or sampler != "vllm"
     )  # fmt: skip
-    if truncating and dt.any_dtensor(logits, labels, temperature):
-        raise NotImplementedError(
-            "top_k, top_p, min_p, kept and kept_stats are not supported for DTensor inputs "
-            "yet: pass to_local() of a tensor that holds the whole vocabulary"
-        )
-    if dt.any_dtensor(logits, labels, temperature):
+    truncation = dict(top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept)
+    if dt.any_dtensor(logits, labels, temperature, top_k, top_p, min_p, kept):
         return _log_probs_entropy_dtensor(
             logits, labels, temperature=temperature, want_entropy=want_entropy,
             ignore_index=ignore_index, chunk_size=chunk_size, backend=backend,
             validate=validate, vocab_size=vocab_size, vocab_parallel=vocab_parallel,
-            logits_name=logits_name,
+            logits_name=logits_name, kept_stats=kept_stats,
+            **(truncation if truncating else {}),
         )  # fmt: skip
     x = check_logits(logits_name, logits)
     batch = tuple(x.shape[:-1])
@@ -282,12 +279,14 @@ def log_probs_entropy(
     )  # fmt: skip
     trunc = Truncation()
     if truncating:
+        # A DTensor sharded over the vocabulary is split as vocab_parallel= is.
+        split = vocab_parallel if dtensor_shard is None else dtensor_shard
         trunc = check_truncation(
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=kept,
             kept_stats=kept_stats, batch=batch, rows=batch,
-            width=truncation_width(shard, x.shape[-1], vocab_parallel),
-            real=truncation_columns(shard, x.shape[-1], vocab_parallel),
-            split=vocab_parallel is not None, device=x.device,
+            width=truncation_width(shard, x.shape[-1], split),
+            real=truncation_columns(shard, x.shape[-1], split),
+            split=split is not None, device=x.device,
             shape_name=f"{logits_name}.shape[:-1]", rows_name=f"{logits_name}.shape[:-1]",
         )  # fmt: skip
     cfg = _config(
@@ -312,8 +311,8 @@ def log_probs_entropy(
 
 def _log_probs_entropy_dtensor(
     logits: Any, labels: Any, *, temperature: Any, vocab_parallel: object, logits_name: str,
-    **kwargs: Any,
-) -> tuple[Any, Any]:  # fmt: skip
+    kept_stats: bool = False, **kwargs: Any,
+) -> Any:  # fmt: skip
     if not dt.is_dtensor(logits):
         raise TypeError(
             f"labels or temperature is a DTensor but {logits_name} is not: pass DTensors "
@@ -330,14 +329,32 @@ def _log_probs_entropy_dtensor(
         local_temp = dt.localize(
             temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb)
         )
-    logp, ent = log_probs_entropy(
+    # The sampler's per-row parameters follow the rows as the temperature does; a replayed
+    # kept set (ids, or a mask over the whole vocabulary) follows the rows, its last dim whole.
+    for name in ("top_k", "top_p", "min_p"):
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor):
+            kwargs[name] = dt.localize(v, lay, name, dims=_trailing(v.dim(), nb))
+    if isinstance(kwargs.get("kept"), torch.Tensor):
+        kwargs["kept"] = dt.localize(kwargs["kept"], lay, "kept", dims=(*batch_dims, -1))
+    out = log_probs_entropy(
         logits.to_local(), local_labels, temperature=local_temp, dtensor_shard=lay.shard,
-        logits_name=logits_name, **kwargs,
+        logits_name=logits_name, kept_stats=kept_stats, **kwargs,
     )  # fmt: skip
     batch = tuple(logits.shape[:-1])
-    return (
-        dt.wrap(logp, lay, tuple(labels.shape), lab_dims) if logp is not None else None,
-        dt.wrap(ent, lay, batch, batch_dims) if ent is not None else None,
+    lab_shape = tuple(labels.shape) if labels is not None else None
+    logp, ent = out[0], out[1]
+    logp_out = dt.wrap(logp, lay, lab_shape, lab_dims) if lab_shape is not None else None
+    ent_out = dt.wrap(ent, lay, batch, batch_dims) if ent is not None else None
+    if not kept_stats:
+        return logp_out, ent_out
+    # Without labels (the entropy alone) log_probs and outside are as the plain call gives them.
+    outside = dt.wrap(out.outside, lay, lab_shape, lab_dims) if lab_shape is not None else None
+    return SampledLogProbs(
+        logp_out if logp_out is not None else out.log_probs,
+        ent_out,
+        outside if outside is not None else out.outside,
+        dt.wrap(out.kept_count, lay, batch, batch_dims),
     )
 
 
@@ -744,20 +761,15 @@ def fused_head(
         top_k is not None or top_p is not None or min_p is not None or kept_stats is not False
         or sampler != "vllm"
     )  # fmt: skip
-    if truncating and (
-        dtensor_shard is not None or dt.any_dtensor(hidden, weight, bias, labels, temperature)
-    ):
-        raise NotImplementedError(
-            "top_k, top_p, min_p and kept_stats on the fused head are not supported for "
-            "DTensor inputs yet: pass to_local() with vocab_parallel="
-        )
-    if dt.any_dtensor(hidden, weight, bias, labels, temperature):
+    if dt.any_dtensor(hidden, weight, bias, labels, temperature, top_k, top_p, min_p):
         _no_vocab_parallel(vocab_parallel, names[1])
+        truncation = dict(top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler)
         return _fused_head_dtensor(
             hidden, weight, labels, bias=bias, temperature=temperature,
             want_entropy=want_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size, backend=backend, validate=validate,
             logit_scale=logit_scale, softcap=softcap, vocab_size=vocab_size, names=names,
+            kept_stats=kept_stats, **(truncation if truncating else {}),
         )  # fmt: skip
     sharded = vocab_parallel is not None or dtensor_shard is not None
     h, w, b = _check_head(hidden, weight, bias, names, 0 if sharded else 1)
@@ -784,6 +796,12 @@ def fused_head(
     h, w, b = _head_dtype(h, w, b)
     if truncating:
         real = shard.real_columns(w.shape[0]) if shard is not None else w.shape[0]
+        if dtensor_shard is not None and shard is not None:
+            # A weight sharded over the vocabulary as a DTensor: its rows placed by start=.
+            vocab_parallel = VocabParallel(
+                group=resolve_group(shard.group), start=shard.start,
+                reduce_grad_hidden=bool(reduce_grad_hidden),
+            )  # fmt: skip
         check_truncation(  # validates; the head passes the values on
             top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler, kept=None,
             kept_stats=kept_stats, batch=batch, rows=batch, width=real,
@@ -817,8 +835,8 @@ def fused_head(
 
 def _fused_head_dtensor(
     hidden: Any, weight: Any, labels: Any, *, bias: Any, temperature: Any,
-    names: tuple[str, str, str], **kwargs: Any,
-) -> tuple[Any, Any]:  # fmt: skip
+    names: tuple[str, str, str], kept_stats: bool = False, **kwargs: Any,
+) -> Any:  # fmt: skip
     hn, wn, bn = names
     if not dt.is_dtensor(hidden):
         raise TypeError(
@@ -858,14 +876,26 @@ def _fused_head_dtensor(
     temp = temperature
     if isinstance(temperature, torch.Tensor):
         temp = dt.localize(temperature, lay, "temperature", dims=_trailing(temperature.dim(), nb))
-    logp, ent = fused_head(
+    for name in ("top_k", "top_p", "min_p"):  # per-row sampler parameters: as the temperature
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor):
+            kwargs[name] = dt.localize(v, lay, name, dims=_trailing(v.dim(), nb))
+    out = fused_head(
         hidden.to_local(), w_local, local_labels, bias=b_local, temperature=temp,
-        dtensor_shard=wshard, names=names, **kwargs,
+        dtensor_shard=wshard, names=names, kept_stats=kept_stats, **kwargs,
     )  # fmt: skip
+    logp, ent = out[0], out[1]
     out_lay = dt.Layout(lay.mesh, lay.shard_dims, None, None)
-    return (
-        dt.wrap(logp, out_lay, tuple(labels.shape), lab_dims),
-        dt.wrap(ent, out_lay, tuple(hidden.shape[:-1]), batch_dims) if ent is not None else None,
+    batch = tuple(hidden.shape[:-1])
+    logp_out = dt.wrap(logp, out_lay, tuple(labels.shape), lab_dims)
+    ent_out = dt.wrap(ent, out_lay, batch, batch_dims) if ent is not None else None
+    if not kept_stats:
+        return logp_out, ent_out
+    return SampledLogProbs(
+        logp_out,
+        ent_out,
+        dt.wrap(out.outside, out_lay, tuple(labels.shape), lab_dims),
+        dt.wrap(out.kept_count, out_lay, batch, batch_dims),
     )
 
 
