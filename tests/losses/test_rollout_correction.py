@@ -314,3 +314,33 @@ def test_batch_normalize_over_two_gloo_ranks():
         ).weights
         got = torch.cat([results[0][level], results[1][level]])
         torch.testing.assert_close(got, whole, rtol=1e-12, atol=0)
+
+
+def test_sampler_matched_log_probs_remove_the_truncation_bias():
+    """A rollout that sampled from vLLM's top-p kept set reports log-probs renormalised over it.
+    Trainer log-probs over the full vocabulary make every ratio the kept mass (the mismatch KL
+    is then the mean of ``-log mass``); with the same sampler arguments the weights are 1."""
+    from rlmath import log_probs_from_logits
+    from tests.logprobs.sampling_reference import reference
+
+    B, T, V = 3, 5, 40
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B * T, V, generator=gen, dtype=torch.float64) * 2
+    *_, kept = reference(logits, torch.zeros(B * T, dtype=torch.long), top_p=0.8)
+    # The sampled token: one of each row's kept set.
+    pick = torch.multinomial(kept.double(), 1, generator=gen).squeeze(-1)
+    rollout, *_ = reference(logits, pick, top_p=0.8)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    full = log_probs_from_logits(logits, pick)
+    matched = log_probs_from_logits(logits, pick, top_p=0.8)
+    mass = torch.logsumexp(logits.masked_fill(~kept, -math.inf), -1) - torch.logsumexp(logits, -1)
+    assert bool((mass < -1e-3).all())  # the truncation cuts mass in every row
+    shape = (B, T)
+    out = rollout_correction(full.view(shape), rollout.view(shape), mask)
+    assert abs(float(out.metrics["mismatch_kl_k1"]) - float(-mass.mean())) < 1e-12
+    torch.testing.assert_close(out.weights.view(-1), mass.exp(), rtol=1e-12, atol=0)
+    out = rollout_correction(matched.view(shape), rollout.view(shape), mask)
+    assert abs(float(out.metrics["mismatch_kl_k1"])) < 1e-12
+    torch.testing.assert_close(
+        out.weights, torch.ones(shape, dtype=torch.float64), rtol=1e-12, atol=0
+    )
