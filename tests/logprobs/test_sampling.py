@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlmath
@@ -523,3 +523,32 @@ def test_kept_set_paths_keep_the_callers_state():
         assert torch.equal(lp, want[2][0]) and torch.isfinite(leaf.grad).all()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(1, 20000),
+    st.integers(1, 140),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["ties", "normal", "-inf tail", "nan row"]),
+)
+def test_head_values_are_torch_topk_values(c, V, h, seed, kind):
+    """The blocked search of each row's largest values gives ``torch.topk``'s values exactly:
+    ties across and within blocks, ``-inf`` rows and tails, a NaN, widths not a multiple of
+    the block."""
+    from rlmath.engine.sampling import head_values
+
+    h = min(h, V)
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        z = torch.randint(0, 4, (c, V), generator=g).float()
+    else:
+        z = torch.randn(c, V, generator=g)
+    if kind == "-inf tail":
+        z[:, V // 3 :] = float("-inf")
+        z[0] = float("-inf")
+    if kind == "nan row":
+        z[0, V // 2] = float("nan")
+    want = torch.topk(z, h, -1, sorted=True).values
+    torch.testing.assert_close(head_values(z, h), want, rtol=0, atol=0, equal_nan=True)

@@ -176,9 +176,7 @@ def sharded_thresholds(
                 z = z_of(a, b, ws)
                 m[a:b] = z.amax(-1)
                 if k_local:
-                    heads[a - r0 : b - r0, :k_local] = torch.topk(
-                        z, k_local, -1, sorted=True
-                    ).values
+                    heads[a - r0 : b - r0, :k_local] = head_values(z, k_local)
 
             run_chunks(within(r0, r1), first, scratch, dev)
             union = all_gather(heads, group).permute(1, 0, 2).reshape(r1 - r0, -1)
