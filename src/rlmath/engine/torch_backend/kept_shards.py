@@ -37,7 +37,7 @@ import torch
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 from rlmath.engine.policy import auto_chunk_size
-from rlmath.engine.sampling import _BUCKETS, _SPAN, Param, scaled_rows
+from rlmath.engine.sampling import _BUCKETS, _SPAN, Param, head_values, scaled_rows
 from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.rows import RowSource
 
