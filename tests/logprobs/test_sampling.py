@@ -552,3 +552,25 @@ def test_head_values_are_torch_topk_values(c, V, h, seed, kind):
         z[0, V // 2] = float("nan")
     want = torch.topk(z, h, -1, sorted=True).values
     torch.testing.assert_close(head_values(z, h), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_top_p_heads_of_every_size_and_the_histogram_give_the_reference_kept_sets():
+    """Top-p tries a head of 32 values, then of 128, then the histogram search: rows whose
+    nucleus fits each (a peaked row, about 90 tokens of equal weight under one large one, a
+    flat row), alone and mixed in one chunk, keep exactly the reference's tokens."""
+    Vw = 2000
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(3, Vw, generator=g, dtype=torch.float64) - 30.0  # negligible tail
+    rows = base.clone()
+    rows[0, :8] = torch.linspace(0.0, -2.0, 8, dtype=torch.float64)  # nucleus of a few tokens
+    rows[1, 0] = 0.0
+    rows[1, 1:101] = math.log(0.1) + torch.rand(100, generator=g, dtype=torch.float64) * 1e-3
+    rows[2] = torch.randn(Vw, generator=g, dtype=torch.float64) * 0.1  # flat: ~1800 tokens
+    for x in (rows, rows[[1, 0, 2, 1]], rows[:2]):
+        labels = torch.zeros(x.shape[0], dtype=torch.long)
+        want = reference(x, labels, top_p=0.9)
+        got = log_probs_from_logits(x, labels, top_p=0.9, kept_stats=True)
+        assert torch.equal(got.kept_count, want[3])
+        torch.testing.assert_close(got.log_probs, want[0], rtol=0, atol=1e-12)
+    counts = reference(rows, torch.zeros(3, dtype=torch.long), top_p=0.9)[3]
+    assert counts[0] < 32 < counts[1] < 128 < counts[2]

@@ -267,13 +267,19 @@ def chunk_threshold(
             # Each token weighs at most 1 (w = exp(z - max z)), so the nucleus holds at
             # least p·S tokens: where that fits in a head, try the head first.
             total = w.sum(-1, keepdim=True)
-            if float((top_p * total).max()) <= _TOPK_HEAD:
-                h = min(_TOPK_HEAD, V)
+            least = float((top_p * total).max())
+            # A small head first (a peaked row's nucleus is a few tokens), then the largest.
+            sizes = [
+                n for n in (32, _TOPK_HEAD) if n >= least and (n == _TOPK_HEAD or n >= 2 * least)
+            ]
+            for n in sizes:
+                h = min(n, V)
                 top = head_values(z, h)
                 found = _head_top_p(top, m, None, total, top_p, strict)
                 # -inf: the whole head passed, the cut lies below it (unless it is the row).
                 if h == V or not bool((found == _NEG_INF).any()):
                     tau_p = found
+                    break
         if tau_p is None:
             if w is None:
                 w = torch.exp(y, out=ws.get("kw", c))
