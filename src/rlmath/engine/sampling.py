@@ -268,10 +268,9 @@ def chunk_threshold(
             # least p·S tokens: where that fits in a head, try the head first.
             total = w.sum(-1, keepdim=True)
             least = float((top_p * total).max())
-            # A small head first (a peaked row's nucleus is a few tokens), then the largest.
-            sizes = [
-                n for n in (32, _TOPK_HEAD) if n >= least and (n == _TOPK_HEAD or n >= 2 * least)
-            ]
+            # A small head first (a peaked row's nucleus is a few tokens), then the largest;
+            # only where the nucleus may fit with room (a flat row's fills no head).
+            sizes = [n for n in (32, _TOPK_HEAD) if n >= 2 * least]
             for n in sizes:
                 h = min(n, V)
                 top = head_values(z, h)
