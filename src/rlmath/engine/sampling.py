@@ -194,7 +194,7 @@ def chunk_threshold(
     top_p: Param,
     min_p: Param,
     kmax: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The threshold ``tau`` ``(c, 1)`` of each row of scaled logits: the kept set is ``z >= tau``.
 
     No sort of the rows. With top-k of at most :data:`_TOPK_HEAD` tokens, the
@@ -214,13 +214,14 @@ def chunk_threshold(
         kmax: with ``top_k``, the largest ``k`` of the rows (0: unknown).
 
     Returns:
-        ``(tau, e)``: ``tau`` ``(c, 1)`` in ``z``'s dtype, ``-inf`` keeps every
+        ``(tau, e, row_max)``: ``tau`` ``(c, 1)`` in ``z``'s dtype, ``-inf`` keeps every
         token (the row's largest logit is always kept); ``e``: ``exp(z - max
-        z)`` in ``ws["kw"]`` (with ``z - max z`` in ``ws["ky"]``).
+        z)`` in ``ws["kw"]`` (with ``z - max z`` in ``ws["ky"]``); ``row_max``:
+        ``(c, 1)`` each row's max (``-inf`` for a row without a finite logit).
     """
     c, V = z.shape
-    m = z.amax(-1, keepdim=True)
-    m = torch.where(m == _NEG_INF, 0.0, m)  # a row of -inf logits: nothing to cut
+    row_max = z.amax(-1, keepdim=True)
+    m = torch.where(row_max == _NEG_INF, 0.0, row_max)  # a row of -inf logits: nothing to cut
     tau = torch.full((c, 1), _NEG_INF, dtype=z.dtype, device=z.device)
     y = torch.sub(z, m, out=ws.get("ky", c))
     head: torch.Tensor | None = None
@@ -235,7 +236,9 @@ def chunk_threshold(
         passed = torch.where(w >= min_p, z, float("inf"))
         tau = torch.maximum(tau, passed.amin(-1, keepdim=True))
     if top_k is None and top_p is None:
-        return tau, w
+        if w is None:  # no rule at all (kept_stats alone): the statistics need it next
+            w = torch.exp(y, out=ws.get("kw", c))
+        return tau, w, row_max
     idx: torch.Tensor | None = None
     tau_k: torch.Tensor | None = None
     if top_k is not None:
@@ -302,7 +305,7 @@ def chunk_threshold(
     if w is None:
         # The statistics over the kept set need it next: computed here, they reuse y.
         w = torch.exp(y, out=ws.get("kw", c))
-    return tau, w
+    return tau, w, row_max
 
 
 def scaled_rows(src: torch.Tensor, temperature: torch.Tensor | None, ws: Workspace) -> torch.Tensor:
@@ -370,15 +373,15 @@ class KeptSet:
         src: torch.Tensor,
         temperature: torch.Tensor | None,
         ws: Workspace,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows ``[a, b)``: the scaled logits ``src / T`` and the kept set (labels added).
 
         ``src``: ``(c, V)`` raw logits (any floating dtype, read only);
         ``temperature``: ``None`` or a ``(c, 1)`` / ``(1, 1)`` compute-dtype
-        column. Returns ``(z, keep, e)``: ``(c, V)`` compute-dtype buffers of
+        column. Returns ``(z, keep, e, row_max)``: ``(c, V)`` compute-dtype buffers of
         ``ws`` (``"kz"``, or ``src`` itself; ``"kk"``: 1 in the kept set, 0
-        outside), and ``exp(z - max z)`` when
-        the threshold search computed it (``ws["ky"]`` then holds ``z - max z``),
+        outside), and ``exp(z - max z)`` and the rows' max ``(c, 1)`` when
+        the threshold search computed them (``ws["ky"]`` then holds ``z - max z``),
         else ``None``. The kernels use ``z`` as the
         logits and zero the probability of every token outside ``keep``: the
         softmax over the kept set, without ``-inf`` entries (whose ``exp`` is
@@ -389,10 +392,10 @@ class KeptSet:
         # The kept set as 1.0 / 0.0 in the compute dtype: compared into and multiplied by
         # several times faster than a bool mask on CPUs.
         keep = ws.get("kk", c)
-        e = None
+        e = row_max = None
         if self.kept is None:
             if self.forward:
-                tau, e = chunk_threshold(
+                tau, e, row_max = chunk_threshold(
                     z, ws, sampler=self.sampler, top_k=_col(self.top_k, a, b),
                     top_p=_col(self.top_p, a, b), min_p=_col(self.min_p, a, b),
                     kmax=self.kmax,
@@ -412,4 +415,4 @@ class KeptSet:
         if self.labels is not None and self.owned is not None:
             owned = self.owned[a:b].to(keep.dtype)
             keep.scatter_reduce_(1, self.labels[a:b], owned, reduce="amax")
-        return z, keep, e
+        return z, keep, e, row_max

@@ -167,7 +167,7 @@ def logits_grad(
         rows, col = src.rows(a, b, ws), temp.rows(a, b)
         keep = None
         if restrict is not None:
-            rows, keep, _ = restrict.chunk(a, b, rows, col, ws)
+            rows, keep, _, _ = restrict.chunk(a, b, rows, col, ws)
             col = None
         chunk_grad(
             rows,

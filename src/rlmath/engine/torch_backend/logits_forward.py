@@ -89,6 +89,7 @@ def kept_chunk_stats(
     entropy: bool = False,
     e: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
 
@@ -99,10 +100,14 @@ def kept_chunk_stats(
     ``e``: ``exp(z - max z)`` already computed (with ``z - max z`` in
     ``ws["ky"]``; :meth:`~rlmath.engine.sampling.KeptSet.chunk`), overwritten.
     ``shift``: ``(c, 1)`` the rows' max over every vocabulary shard, to shift by
-    instead of the max of these columns (then ``e`` is not given).
+    instead of the max of these columns (then ``e`` is not given). ``row_max``:
+    ``(c, 1)`` the max of ``z``'s rows when the search found it (with ``e``).
     """
     c = z.shape[0]
-    m = z.amax(-1, keepdim=True) if shift is None else shift
+    if shift is not None:
+        m = shift
+    else:
+        m = row_max if row_max is not None else z.amax(-1, keepdim=True)
     if e is not None:
         y = ws.get("ky", c)
     else:
@@ -212,9 +217,9 @@ def logits_stats(
         tiles: torch.Tensor | None = None
         for a, b in groups[i]:
             if restrict is not None:
-                z, keep, e = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
+                z, keep, e, row_max = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
                 cm, cs, ct = kept_chunk_stats(
-                    z, keep, ws, entropy=want_entropy, e=e,
+                    z, keep, ws, entropy=want_entropy, e=e, row_max=row_max,
                     shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
                 )  # fmt: skip
             else:
