@@ -170,6 +170,28 @@ def dtensor_head(p: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
+def dtensor_kept_errors(p: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The messages of bad sampler arguments with DTensor logits (empty: nothing raised)."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(p["logits"], mesh, [Shard(-1)])
+    top_p = torch.full((B, T), 0.9, dtype=torch.float64)
+    cases = {
+        # A per-row parameter sharded where the logits' rows are not.
+        "placement": dict(top_p=distribute_tensor(top_p, mesh, [Shard(0)])),
+        "shape": dict(top_p=torch.full((B, T + 1), 0.9, dtype=torch.float64)),
+        "range": dict(top_p=1.5),
+        "kept_shape": dict(kept=torch.zeros(B, T + 1, 3, dtype=torch.long)),
+    }
+    out = {}
+    for name, kw in cases.items():
+        try:
+            R.log_probs_from_logits(x, p["labels"].clamp_min(0), **kw)
+            out[name] = ""
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def dtensor_head_kept(p: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The fused head under a sampler's kept set with a vocabulary-sharded DTensor weight."""
     mesh = init_device_mesh("cpu", (2,))
@@ -298,6 +320,7 @@ def worker() -> dict[str, Any]:
         "kept_shard_vocab_ids": dtensor_kept(p, Shard(-1), "ids"),
         "kept_shard_rows": dtensor_kept(p, Shard(0), "rule"),
         "kept_head": dtensor_head_kept(p),
+        "kept_errors": dtensor_kept_errors(p),
         "partial_error": partial_error(p),
         "same_functions": same_functions(p),
         "ignored_rows_temperature": ignored_rows_temperature(p),

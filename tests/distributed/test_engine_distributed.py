@@ -54,6 +54,16 @@ def test_dtensor_logits_under_a_samplers_kept_set_equal_the_full_tensor(results,
 
 
 @pytest.mark.integration
+def test_bad_sampler_arguments_with_dtensor_logits_raise_naming_them(results):
+    for r in results:
+        err = r["kept_errors"]
+        assert err["placement"].startswith("TypeError") and "top_p" in err["placement"]
+        assert err["shape"].startswith("ValueError") and "top_p" in err["shape"]
+        assert err["range"].startswith("ValueError") and "top_p" in err["range"]
+        assert err["kept_shape"].startswith("ValueError") and "kept" in err["kept_shape"]
+
+
+@pytest.mark.integration
 def test_dtensor_head_under_a_samplers_kept_set_equals_the_full_tensors(results):
     for r in results:
         res = r["kept_head"]
