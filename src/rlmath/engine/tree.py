@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from rlmath import _device
+
 __all__ = [
     "TILE",
     "evaluate",
@@ -54,7 +56,21 @@ def tile_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
 
     Shape: ``(c, R)`` → ``(c, ceil(R / TILE))``, dtype of ``x``. ``nan``: skip
     NaN entries (the ``0·(-inf)`` products of a masked vocabulary).
+
+    ATen's NaN-skipping sum runs the same cascade as its plain sum (the same
+    bits wherever there is no NaN) but slower over 128-column tiles (79
+    against 59 µs for a 16 × 32000 chunk). Where reading the result is free
+    (:func:`rlmath._device.reads_host`), the plain sum runs first and the
+    NaN-skipping one only for a chunk whose sums hold a NaN.
     """
+    if nan and _device.reads_host(x.device):
+        sums = _tile_sums(x, nan=False)
+        if not bool(sums.isnan().any()):
+            return sums
+    return _tile_sums(x, nan=nan)
+
+
+def _tile_sums(x: torch.Tensor, *, nan: bool) -> torch.Tensor:
     c, r = x.shape
     full = r // TILE
     parts = []
@@ -157,7 +173,8 @@ def fold(x: torch.Tensor) -> torch.Tensor:
     """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)`` (zeros for ``n = 0``).
 
     The tiles padded with zeros to a power of two, then halved level by level:
-    the additions of :func:`local_nodes` for a run of every tile, in fewer ops.
+    the additions of :func:`local_nodes` for a run of every tile, in fewer ops
+    (each level one ``unbind`` of the pairs and one addition).
     """
     c, n, k = x.shape
     if n == 0:
@@ -165,6 +182,8 @@ def fold(x: torch.Tensor) -> torch.Tensor:
     width = 1 << (n - 1).bit_length()
     if width != n:
         x = torch.cat([x, x.new_zeros(c, width - n, k)], 1)
-    while x.shape[1] > 1:
-        x = x[:, 0::2] + x[:, 1::2]
+    while width > 1:
+        width //= 2
+        left, right = x.reshape(c, width, 2, k).unbind(2)
+        x = left + right
     return x[:, 0]
