@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlmath import _device, _valid_select
-from rlmath._valid_select import row_sum_rows, select_valid, valid_row_sums
+from rlmath._valid_select import row_sum_rows, select_valid, valid_row_sums, where_valid
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0]
@@ -89,8 +89,10 @@ def test_row_sums_in_any_chunks_are_the_whole_sum(dtype, seed, rows, width, chun
     want = torch.where(valid, x.to(result), torch.zeros((), dtype=result)).sum(-1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_valid_select, "ROW_SUM_CHUNK_ELEMENTS", chunk)
+        mp.setattr(_valid_select, "ROW_SUM_WHERE_ELEMENTS", 0)  # the chunks even when small
         got = valid_row_sums(valid, x, result)
     assert_same_bits(got, want)
+    assert_same_bits(valid_row_sums(valid, x, result), want)  # the small batch's plain form
 
 
 def test_row_sums_are_the_same_for_1_2_and_4_threads():
@@ -106,6 +108,25 @@ def test_row_sums_are_the_same_for_1_2_and_4_threads():
     for sums, selected in out[1:]:
         assert_same_bits(sums, out[0][0])
         assert_same_bits(selected, out[0][1])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("threshold", [0, 10**9])
+def test_where_valid_is_torch_where_by_bits_or_by_where(dtype, threshold, monkeypatch):
+    """Above the size threshold the bits, below it ``where``: the same bits either way."""
+    monkeypatch.setattr(_valid_select, "BITS_MIN_ELEMENTS", threshold)
+    x, valid = batch(11, 37, 29, dtype)
+    want = torch.where(valid, x, torch.zeros((), dtype=dtype))
+    assert_same_bits(where_valid(valid, x), want)
+    # A tensor autograd records takes torch.where: the gradient is selected the same way.
+    leaf = x.clone().requires_grad_()
+    got = where_valid(valid, leaf)
+    assert got.requires_grad and got.grad_fn is not None
+    assert_same_bits(got.detach(), want)
+    got.backward(torch.ones_like(got))
+    assert torch.equal(leaf.grad, valid.to(dtype))
+    with torch.no_grad():
+        assert_same_bits(where_valid(valid, leaf), want)
 
 
 def test_inputs_are_never_written():

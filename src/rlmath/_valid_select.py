@@ -21,11 +21,14 @@ import torch
 from rlmath import _device
 
 __all__ = [
+    "BITS_MIN_ELEMENTS",
     "MAX_ROW_SUM_CHUNKS",
     "ROW_SUM_CHUNK_ELEMENTS",
+    "ROW_SUM_WHERE_ELEMENTS",
     "row_sum_rows",
     "select_valid",
     "valid_row_sums",
+    "where_valid",
 ]
 
 #: Elements per chunk of :func:`valid_row_sums` on a CPU: a chunk's
@@ -33,6 +36,12 @@ __all__ = [
 ROW_SUM_CHUNK_ELEMENTS = 64 * 1024
 #: At most this many chunks per call: each costs three op dispatches.
 MAX_ROW_SUM_CHUNKS = 32
+
+#: Elements from which :func:`where_valid` selects by bits (where no gradient is recorded).
+BITS_MIN_ELEMENTS = 8 * 1024
+#: At most this many elements, :func:`valid_row_sums` takes ``where`` and one sum (three
+#: ops, 15 µs for 8192 fp32 on one core) rather than its chunks (a dozen ops, 34 µs).
+ROW_SUM_WHERE_ELEMENTS = 16 * 1024
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -70,6 +79,24 @@ def select_valid(valid: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return valid.to(int_dtype).mul_(x.view(int_dtype)).view(x.dtype)
 
 
+def where_valid(valid: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``torch.where(valid, x, 0)`` bit for bit: :func:`select_valid` unless autograd records ``x``.
+
+    For the masked inputs of the losses and statistics. ``torch.where`` where
+    a gradient must flow through ``x`` (its backward selects the gradient the
+    same way) or ``x`` is small (below :data:`BITS_MIN_ELEMENTS`: one op
+    against the two of the bits, which cost as much at that size); otherwise
+    the selection by bits, faster on a CPU from about 8 Ki elements on
+    (``(1024, 1024)`` fp32 on one core: 0.28 ms against 2.9 ms for ``where``
+    and 3.5 ms for ``masked_fill(~valid, 0)``).
+
+    Shape: ``valid`` bool, ``x`` floating of ``valid``'s shape.
+    """
+    if (x.requires_grad and torch.is_grad_enabled()) or x.numel() < BITS_MIN_ELEMENTS:
+        return torch.where(valid, x, 0)
+    return select_valid(valid, x)
+
+
 def valid_row_sums(valid: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``torch.where(valid, x.to(dtype), 0).sum(-1)`` for a 2-D mask, bit for bit.
 
@@ -81,11 +108,12 @@ def valid_row_sums(valid: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> 
     Shape: ``valid`` and ``x`` ``(B, T)`` → ``(B,)`` in ``dtype``.
     """
     _check_mask(valid)
-    if not _device.selects_by_bits(valid.device):
+    int_dtype = _int_of(dtype)
+    if not _device.selects_by_bits(valid.device) or valid.numel() <= ROW_SUM_WHERE_ELEMENTS:
+        # Elsewhere, and for a small batch (three ops against a dozen), the plain form.
         zero = torch.zeros((), dtype=dtype, device=x.device)
         return torch.where(valid, x.to(dtype), zero).sum(-1)
     rows, width = valid.shape
-    int_dtype = _int_of(dtype)
     step = row_sum_rows(rows, width)
     out = torch.empty(rows, dtype=dtype, device=x.device)
     buf = torch.empty((min(step, rows), width), dtype=int_dtype, device=x.device)

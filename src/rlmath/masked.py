@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from rlmath._collectives import ProcessGroup, check_same_dtype, global_sum
+from rlmath._valid_select import where_valid
 from rlmath._validation import (
     as_dtype,
     check_in_range,
@@ -66,10 +67,8 @@ def _prepare(
     if group is not None:
         check_same_dtype("values", values, dtype, group)
     valid = valid_mask(mask)
-    invalid = ~valid
-    weights = None if mask.dtype == torch.bool else mask.to(dtype).masked_fill(invalid, 0)
-    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
-    return as_dtype(values, dtype).masked_fill(invalid, 0), valid, weights
+    weights = None if mask.dtype == torch.bool else where_valid(valid, mask.to(dtype))
+    return where_valid(valid, as_dtype(values, dtype)), valid, weights
 
 
 def _sum(x: torch.Tensor, axis: Axis, keepdim: bool = False) -> torch.Tensor:
@@ -167,7 +166,8 @@ def masked_mean(
     v, valid, w = _prepare(values, mask, axis, group)
     if group is None and axis is None:
         if w is None:
-            return v.sum() / torch.count_nonzero(valid).clamp_min(1).to(v.dtype)
+            # Floating sum over an integer count: the count is rounded to v's dtype in the division.
+            return v.sum() / torch.count_nonzero(valid).clamp_min(1)
         n = w.sum()
         return (v * w).sum() / torch.where(n == 0, torch.ones_like(n), n)
     total, n = _sums(v, valid, w, axis, group)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlmath._valid_select import where_valid
 from rlmath._validation import (
     as_dtype,
     check_choice,
@@ -47,13 +48,14 @@ class PolicyInputs:
     ``old_log_prob``, ``log_prob``, ``advantages`` and ``is_weights`` are 0 where
     the mask is 0; ``log_ratio`` is their difference before clamping and
     ``clamped_log_ratio``/``ratio`` the clamped log-ratio and its exp.
-    ``weights`` are the mask's weights in the compute dtype (0 where not valid);
-    ``bool_mask``: the mask is bool, so the weights are 1 where valid.
+    ``weights`` are the mask's weights in the compute dtype (0 where not valid):
+    ``mask_weights``, or for a bool mask (``bool_mask``, ``mask_weights`` None)
+    1 where valid, formed on first use.
     """
 
     valid: torch.Tensor
     mask: torch.Tensor
-    weights: torch.Tensor
+    mask_weights: torch.Tensor | None
     old_log_prob: torch.Tensor
     log_prob: torch.Tensor
     advantages: torch.Tensor
@@ -63,18 +65,18 @@ class PolicyInputs:
     ratio: torch.Tensor
     clamped: torch.Tensor
     bool_mask: bool = False
-    invalid: torch.Tensor | None = None
     # Values computed on first use and kept (a plain dict rather than
     # ``functools.cached_property``, whose lock ``torch.compile`` cannot trace).
     _cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def _invalid(self) -> torch.Tensor:
-        if self.invalid is not None:
-            return self.invalid
-        if "invalid" not in self._cache:
-            self._cache["invalid"] = ~self.valid
-        return self._cache["invalid"]
+    def weights(self) -> torch.Tensor:
+        """The mask's weights in the compute dtype, 0 where not valid (1 where valid for a bool mask)."""
+        if self.mask_weights is not None:
+            return self.mask_weights
+        if "weights" not in self._cache:
+            self._cache["weights"] = self.valid.to(self.log_ratio.dtype)
+        return self._cache["weights"]
 
     def zero(self) -> torch.Tensor:
         return torch.zeros((), dtype=self.log_ratio.dtype, device=self.log_ratio.device)
@@ -84,7 +86,7 @@ class PolicyInputs:
         """``Σ w`` over every valid token, 1 where there is none: the denominator of a mean."""
         if "count" not in self._cache:
             if self.bool_mask:
-                count = self.valid.sum().clamp_min(1).to(self.weights.dtype)  # an exact count
+                count = self.valid.sum().clamp_min(1).to(self.log_ratio.dtype)  # an exact count
             else:
                 den = self.weights.sum()
                 count = torch.where(den == 0, torch.ones_like(den), den)
@@ -96,13 +98,14 @@ class PolicyInputs:
 
         ``x`` has the inputs' shape; values under the mask never count.
         """
-        w = self.weights
+        dtype = self.log_ratio.dtype
         if axis is None:
             if self.bool_mask:
                 if x.dtype == torch.bool:
                     return torch.count_nonzero(x & self.valid) / self._count
-                return as_dtype(x, w.dtype).masked_fill(self._invalid, 0).sum() / self._count
-            return (as_dtype(x, w.dtype).masked_fill(self._invalid, 0) * w).sum() / self._count
+                return where_valid(self.valid, as_dtype(x, dtype)).sum() / self._count
+            return (where_valid(self.valid, as_dtype(x, dtype)) * self.weights).sum() / self._count
+        w = self.weights
         v = torch.where(self.valid, as_dtype(x, w.dtype), 0) * w
         num, den = v.sum(axis), w.sum(axis)
         return num / torch.where(den == 0, torch.ones_like(den), den)
@@ -113,7 +116,7 @@ class PolicyInputs:
             return self.mean(x)
         if x.dtype == torch.bool:
             return torch.count_nonzero(x) / self._count
-        return as_dtype(x, self.weights.dtype).sum() / self._count
+        return as_dtype(x, self.log_ratio.dtype).sum() / self._count
 
     def frac(self, condition: torch.Tensor) -> torch.Tensor:
         """Fraction of valid tokens where ``condition`` holds (mask weights respected)."""
@@ -123,9 +126,14 @@ class PolicyInputs:
         return loss_mat if self.is_weights is None else loss_mat * self.is_weights
 
     def aggregate(
-        self, loss_mat: torch.Tensor, loss_agg_mode: str, agg: Aggregation
+        self, loss_mat: torch.Tensor, loss_agg_mode: str, agg: Aggregation, *, masked: bool = False
     ) -> torch.Tensor:
-        """``loss_mat`` (importance weights applied) reduced by ``loss_agg_mode``."""
+        """``loss_mat`` (importance weights applied) reduced by ``loss_agg_mode``.
+
+        ``masked``: ``loss_mat`` is already ±0 wherever the mask is 0 (a loss
+        built from the masked inputs by products and selections only), so the
+        token mean skips selecting it again (a sum of ±0 terms adds nothing).
+        """
         if (
             loss_agg_mode == "token-mean"
             and agg.global_num_tokens is None
@@ -134,7 +142,9 @@ class PolicyInputs:
         ):
             # aggregate's token mean, sharing the count of valid tokens with the metrics.
             loss_mat = self.apply_is_weights(loss_mat)
-            return loss_mat.masked_fill(self._invalid, 0).sum() / self._count
+            if not masked:
+                loss_mat = where_valid(self.valid, loss_mat)
+            return loss_mat.sum() / self._count
         return aggregate(
             self.apply_is_weights(loss_mat),
             self.valid,
@@ -174,16 +184,14 @@ def prepare_policy_inputs(
     )
     dtype = result_dtype(old_log_prob, log_prob, advantages)
     valid = valid_mask(response_mask)
-    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
-    invalid = ~valid
-    old = as_dtype(old_log_prob.detach(), dtype).masked_fill(invalid, 0)
-    logp = as_dtype(log_prob, dtype).masked_fill(invalid, 0)
-    adv = as_dtype(advantages.detach(), dtype).masked_fill(invalid, 0)
+    old = where_valid(valid, as_dtype(old_log_prob.detach(), dtype))
+    logp = where_valid(valid, as_dtype(log_prob, dtype))
+    adv = where_valid(valid, as_dtype(advantages.detach(), dtype))
     isw = None
     if rollout_is_weights is not None:
         check_tensor("rollout_is_weights", rollout_is_weights, floating=True)
         check_same_shape("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
-        isw = as_dtype(rollout_is_weights.detach(), dtype).masked_fill(invalid, 0)
+        isw = where_valid(valid, as_dtype(rollout_is_weights.detach(), dtype))
     log_ratio = logp - old
     clamped_log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     clamped = log_ratio.detach().abs() > log_ratio_clamp
@@ -191,7 +199,7 @@ def prepare_policy_inputs(
     return PolicyInputs(
         valid=valid,
         mask=response_mask,
-        weights=valid.to(dtype) if bool_mask else response_mask.to(dtype).masked_fill(invalid, 0),
+        mask_weights=None if bool_mask else where_valid(valid, response_mask.to(dtype)),
         old_log_prob=old,
         log_prob=logp,
         advantages=adv,
@@ -201,7 +209,6 @@ def prepare_policy_inputs(
         ratio=torch.exp(clamped_log_ratio),
         clamped=clamped,
         bool_mask=bool_mask,
-        invalid=invalid,
     )
 
 

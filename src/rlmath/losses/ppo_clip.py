@@ -109,7 +109,8 @@ def compute_policy_loss_vanilla(
     if clip_ratio_c is not None:
         dual = negative & (r > clip_ratio_c)
         loss_mat = torch.where(dual, neg_adv * clip_ratio_c, loss_mat)
-    loss = inp.aggregate(loss_mat, loss_agg_mode, agg)
+    # Every term is a product with the masked advantage: ±0 wherever the mask is 0.
+    loss = inp.aggregate(loss_mat, loss_agg_mode, agg, masked=True)
     metrics = policy_metrics(
         inp, clipped_high=clipped_high, clipped_low=clipped_low, clipped_lower=dual, masked=True
     )

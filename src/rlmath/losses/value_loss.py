@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlmath._typing import Unpack
+from rlmath._valid_select import where_valid
 from rlmath._validation import (
     as_dtype,
     check_choice,
@@ -66,24 +67,24 @@ def compute_value_loss(
     dtype = result_dtype(vpreds, returns, values)
     bool_mask = response_mask.dtype == torch.bool
     valid = valid_mask(response_mask)
-    invalid = ~valid
-    weight = None if bool_mask else response_mask.to(dtype).masked_fill(invalid, 0)
-    # masked_fill(~valid, 0): torch.where(valid, x, 0) in one cheaper kernel.
-    pred = as_dtype(vpreds, dtype).masked_fill(invalid, 0)
-    target = as_dtype(returns.detach(), dtype).masked_fill(invalid, 0)
+    weight = None if bool_mask else where_valid(valid, response_mask.to(dtype))
+    pred = where_valid(valid, as_dtype(vpreds, dtype))
+    target = where_valid(valid, as_dtype(returns.detach(), dtype))
     loss1 = (pred - target).square()
+    count: torch.Tensor | None = None  # valid tokens of a bool mask, counted once
     if cliprange_value is None:
         loss_mat = loss1
         clipfrac = torch.zeros((), dtype=dtype, device=pred.device)
     else:
         c = check_in_range("cliprange_value", cliprange_value, 0.0, None)
-        old = as_dtype(values.detach(), dtype).masked_fill(invalid, 0)
+        old = where_valid(valid, as_dtype(values.detach(), dtype))
         loss2 = (torch.clamp(pred, old - c, old + c) - target).square()
         # Both terms are 0 where the mask is 0: larger is False there.
         larger = loss2 > loss1
         loss_mat = torch.where(larger, loss2, loss1)
         if weight is None:
-            clipfrac = torch.count_nonzero(larger) / _token_count(valid, dtype)
+            count = _token_count(valid, dtype)
+            clipfrac = torch.count_nonzero(larger) / count
         else:
             n = weight.sum()
             clipfrac = ((larger.to(dtype) * weight).sum() / torch.where(n == 0, 1.0, n)).detach()
@@ -94,7 +95,9 @@ def compute_value_loss(
         and agg.dp_size == 1
     ):
         # aggregate's token mean: loss_mat is already 0 wherever the mask is 0.
-        return 0.5 * (loss_mat.sum() / _token_count(valid, dtype)), {"vf_clipfrac": clipfrac}
+        if count is None:
+            count = _token_count(valid, dtype)
+        return 0.5 * (loss_mat.sum() / count), {"vf_clipfrac": clipfrac}
     loss = 0.5 * aggregate(loss_mat, valid, weight, loss_agg_mode, agg)
     return loss, {"vf_clipfrac": clipfrac}
 
