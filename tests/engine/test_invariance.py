@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from rlmath import VocabParallel
 from rlmath.distributed import run_distributed
 from rlmath.engine import tree
+from rlmath.engine.torch_backend import cpu_matmul
+from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.log_probs import (
     kl_from_logits,
     log_probs_and_entropy_from_logits,
@@ -122,6 +124,46 @@ def test_chunk_size_and_threads_do_not_change_a_bit(dtype):
             torch.set_num_threads(threads)
             got = _forward(logits, labels, temperature)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ the fused head
+
+
+def _head(hidden, weight, labels, temperature, rows):
+    leaf = hidden[rows].clone().requires_grad_()
+    lp, ent = log_probs_and_entropy_from_hidden(
+        leaf, weight, labels[rows], temperature=temperature[rows]
+    )
+    (lp.sum() + ent.sum()).backward()
+    return lp.detach(), ent.detach(), leaf.grad
+
+
+@pytest.mark.skipif(
+    not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")),
+    reason="the head's fp32 matmuls run in torch's BLAS here, whose rows depend on the batch",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_head_gives_a_row_alone_the_bits_of_the_row_in_a_batch(dtype):
+    # 600 rows × 5000 columns: several row blocks and three vocabulary tiles of the
+    # head's CPU blocks (2048 columns each, whatever the number of rows).
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 600, 96, 5000
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[4] = -100
+    temperature = torch.rand(n, generator=g) + 0.5
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            everything = _head(hidden, weight, labels, temperature, slice(0, n))
+            for rows in (slice(3, 4), slice(0, 2), slice(0, 9), slice(100, 357)):
+                alone = _head(hidden, weight, labels, temperature, rows)
+                for got, want in zip(alone, everything, strict=True):
+                    assert torch.equal(got, want[rows]), (threads, rows)
     finally:
         torch.set_num_threads(before)
 

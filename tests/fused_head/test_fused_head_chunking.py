@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from rlmath.engine.policy import (
     DEFAULT_BLOCK_ELEMENTS,
     DEFAULT_ROWS,
+    HEAD_TILE,
     TILE_ALIGN,
     auto_tile_sizes,
     elementwise_rows,
@@ -48,10 +49,19 @@ def test_automatic_sizes_are_bounded(n, v):
     assert max(b - a for a, b in spans(n, rows)) == rows
 
 
-def test_tiles_are_sized_for_the_evened_chunks():
-    # 512 rows in chunks of at most ~506 are two chunks of 256: the 1/64 bound
-    # (256000 entries) then allows a tile of 1000, aligned to 896, not 384.
-    assert auto_tile_sizes(512, 32000) == (256, 896)
+def test_cpu_tiles_are_the_same_for_every_number_of_rows():
+    for v in (100, 2048, 32000, 151936):
+        for n in (1, 2, 7, 512, 8192, 10**6):
+            assert auto_tile_sizes(n, v)[1] == min(v, HEAD_TILE)
+    # The rows fill the block: 512 rows under the 1/64 bound (256000 entries)
+    # allow 125 rows per 2048-column tile, cut evenly into five chunks of 103.
+    assert auto_tile_sizes(512, 32000) == (103, 2048)
+
+
+def test_accelerator_tiles_fill_the_block():
+    # 512 rows under the 1/48 bound (341333 entries): one chunk of 512 rows, and
+    # the tile takes the rest of the block, whatever its width.
+    assert auto_tile_sizes(512, 32000, device="cuda") == (512, 341333 // 512)
 
 
 def test_real_shapes_get_large_blocks():
@@ -59,7 +69,7 @@ def test_real_shapes_get_large_blocks():
         rows, tile = auto_tile_sizes(n, v)
         # Thousands of rows for the matmuls, blocks of millions of entries,
         # CPU tiles a multiple of TILE_ALIGN wide.
-        assert rows >= 1600 and tile >= 1800 and rows * tile >= 3_800_000
+        assert rows >= 1600 and tile == HEAD_TILE and rows * tile >= 3_000_000
         assert tile % TILE_ALIGN == 0
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "DEFAULT_BLOCK_ELEMENTS",
     "DEFAULT_ROWS",
     "FOLD_BYTES",
+    "HEAD_TILE",
     "MATMUL_PIECE_ROWS",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
@@ -135,6 +136,14 @@ MATMUL_PIECE_ROWS = 512
 _ACCELERATOR_MAX_FRACTION = 48
 # Scratch stays below 1/_MAX_FRACTION of the logits per buffer for small inputs;
 # a block of at least _MIN_BLOCK entries keeps tiny inputs from tiling absurdly.
+HEAD_TILE = 2048
+"""Vocabulary columns per fused-head block on a CPU when the caller does not choose.
+
+The same for every number of rows (a multiple of :data:`TILE_ALIGN`), so that
+a row's blocks, and the order in which their statistics are merged, do not
+depend on the batch: with a matmul that computes each row alike whatever the
+block's row count, the head's values are bitwise those of the row alone."""
+
 _MAX_FRACTION = 64
 _MIN_BLOCK = 64 * 1024
 
@@ -224,9 +233,11 @@ def auto_tile_sizes(
     ``N·V`` logits when that is smaller, never below 64k entries. ``rows``
     defaults to :data:`DEFAULT_ROWS` (:data:`ACCELERATOR_ROWS`), fewer for
     short inputs or small blocks (about the square root of the block, at
-    least 64); ``vocab_tile`` fills the block, on a CPU rounded down to a
-    multiple of :data:`TILE_ALIGN` (see :func:`tile_spans`). Neither depends
-    on the thread count, so neither do the results.
+    least 64); on an accelerator ``vocab_tile`` fills the block. On a CPU
+    ``vocab_tile`` is :data:`HEAD_TILE` (or ``V`` when narrower) for every
+    ``N``, and ``rows`` fill the block (fewer when the block allows fewer),
+    so a row's blocks do not depend on the batch. Neither depends on the
+    thread count, so neither do the results.
 
     Args:
         num_rows: ``N``, the number of tokens.
@@ -257,9 +268,16 @@ def auto_tile_sizes(
         rows = chunk_size
     if vocab_chunk_size is not None:
         return rows, vocab_chunk_size
+    if cpu:
+        # One tile width whatever the number of rows: a row's logits and its
+        # statistics are then computed in the same blocks and merged in the
+        # same order in any batch (see HEAD_TILE); the rows fill the block.
+        tile = min(v, HEAD_TILE)
+        if chunk_size is None:
+            rows = min(rows, max(1, block // tile))
+            rows = -(-n // -(-n // rows))
+        return rows, tile
     tile = min(v, max(1, block // min(rows, n)))
-    if cpu and TILE_ALIGN < tile < v:
-        tile -= tile % TILE_ALIGN
     return rows, tile
 
 
