@@ -137,6 +137,11 @@ class OpConfig:
     @property
     def shard(self) -> VocabShard:
         """The vocabulary columns this process holds."""
+        if (
+            not (self.shard_start or self.group or self.shard_stride or self.shard_total)
+            and self.shard_real == -1
+        ):
+            return SINGLE_PROCESS
         return VocabShard(
             self.shard_start, self.shard_real, self.group, self.shard_stride, self.shard_total
         )

@@ -68,35 +68,45 @@ class _Labels:
     ``local``: ``(M, K)`` column indices into the local vocabulary (0 where the
     label is not held here or ignored). ``owned``: ``(M, K)`` bool, held here
     and not ignored. ``valid``: not ignored (``None``: all). ``live``: ``(M,)``
-    rows with at least one valid label (``None``: all). ``unheld``: ``(M, K)``
-    bool, valid labels that are not a token id of the vocabulary (outside
-    ``[0, V)``); known here in a world of one (``None`` for a shard: no column
-    of the others is known, see :func:`~rlmath.engine.stats.combine_shards`).
+    rows with at least one valid label (``None``: all; computed when first
+    read). ``held``: ``(M, K)`` bool, the label is a column of this process;
+    in a world of one (``single``), whether it is a token id of the
+    vocabulary at all (``[0, V)``); for a shard no column of the others is
+    known (see :func:`~rlmath.engine.stats.combine_shards`).
     """
 
     def __init__(self, labels: torch.Tensor, cfg: OpConfig, real: int, single: bool):
         ignore = cfg.ignore_index
         self.valid = labels != ignore if ignore is not None else None
-        self.live = self.valid.any(-1) if self.valid is not None else None
+        self._live: torch.Tensor | None = None
         start = cfg.shard.start
         local = labels - start if start else labels
-        held = (local >= 0) & (local < real)
+        if real > 0:
+            # One clamp and one comparison: held exactly where 0 <= local < real.
+            held = local.clamp(0, real - 1) == local
+        else:
+            held = torch.zeros_like(local, dtype=torch.bool)
+        self.held = held
+        self.single = single
         self.owned = held if self.valid is None else held & self.valid
         self.local = torch.where(self.owned, local, 0)
-        self.unheld: torch.Tensor | None = None
-        if single:
-            self.unheld = ~held if self.valid is None else self.valid & ~held
+
+    @property
+    def live(self) -> torch.Tensor | None:
+        if self._live is None and self.valid is not None:
+            self._live = self.valid.any(-1)
+        return self._live
 
     def finish(self, logp: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
         """``logp`` with 0 at ignored labels and NaN at labels that are not token ids.
 
         ``held``: for a shard, whether any shard of the group holds each label.
         """
-        unheld = self.unheld
+        if held is None and self.single:
+            held = self.held
         if held is not None:
-            unheld = ~held if self.valid is None else self.valid & ~held
-        if unheld is not None:
-            logp = torch.where(unheld, float("nan"), logp)
+            # NaN wherever no shard holds the label; an ignored one is 0 next.
+            logp = torch.where(held, logp, float("nan"))
         if self.valid is not None:
             logp = torch.where(self.valid, logp, 0)
         return logp
@@ -168,7 +178,8 @@ def _logits_setup(
         cdt,
         narrow=cfg.narrow,
         row_index=row_index,
-        live=lab.live if lab is not None else None,
+        # The live rows matter to a per-row temperature only.
+        live=lab.live if lab is not None and temperature is not None else None,
     )
     return real, group, lab, temp
 
@@ -331,7 +342,6 @@ def logits_forward(
     """
     cdt, dev = result_dtype(logits), logits.device
     real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
-    live = lab.live if lab is not None else None
     kernels = get_kernels(cfg.backend)
     kept_set, extra = None, {}
     if cfg.sampler:
@@ -402,8 +412,8 @@ def logits_forward(
         logp = _empty(cdt, dev)
     if ent is None:
         ent = _empty(cdt, dev)
-    elif live is not None:
-        ent = torch.where(live, ent, 0)
+    elif lab is not None and lab.live is not None:
+        ent = torch.where(lab.live, ent, 0)
     aux, outside = _empty(cdt, dev), torch.empty(0, dtype=torch.bool, device=dev)
     if kept_set is not None:
         if group is not None and cfg.kept_stats:
@@ -449,11 +459,11 @@ def logits_backward(
     """
     cdt = lse.dtype
     real, group, lab, temp = _logits_setup(logits, labels, temperature, row_index, cfg, cdt)
-    live = lab.live if lab is not None else None
     if lab is None:
         grad_logp = None
     if not cfg.want_entropy:
         grad_ent = None
+    live = lab.live if lab is not None else None
     if grad_logp is not None and lab is not None and lab.valid is not None:
         grad_logp = torch.where(lab.valid, grad_logp, 0)  # an ignored label is a constant 0
     if grad_ent is not None and live is not None:

@@ -183,20 +183,22 @@ class Workspace:
 
     def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
         self.rows, self.vocab, self.dtype, self.device = rows, vocab, dtype, device
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # name -> (the flat buffer, its (rows, vocab) view, made once per pass)
+        self._buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, name: str, c: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         dt = dtype or self.dtype
-        buf = self._buffers.get((name, dt))
-        if buf is None:
+        entry = self._buffers.get((name, dt))
+        if entry is None:
             buf = _take(self.rows * self.vocab, dt, self.device)
-            self._buffers[(name, dt)] = buf
-        return buf[: self.rows * self.vocab].view(self.rows, self.vocab)[:c]
+            entry = buf, buf[: self.rows * self.vocab].view(self.rows, self.vocab)
+            self._buffers[(name, dt)] = entry
+        return entry[1] if c == self.rows else entry[1][:c]
 
     def release(self) -> None:
         """Hand the buffers to this thread's next pass; the workspace is empty afterwards."""
-        buffers = list(self._buffers.values())
-        self._buffers.clear()
+        buffers = [buf for buf, _ in self._buffers.values()]
+        self._buffers.clear()  # the views go first: a kept buffer has no view left
         _give(buffers)
 
 

@@ -198,6 +198,11 @@ def logits_stats(
     src = RowSource(logits, real, row_index, narrow)
     M = src.num_rows
     per_tile = shift is not None
+    if M and real and not per_tile and restrict is None:
+        chunk = chunk or auto_chunk_size(real, M, device=dev)
+        if chunk >= M and (src.layout is None or len(src.layout.blocks) == 1):
+            # Every row in one chunk (rows in several memory blocks are several chunks).
+            return _one_chunk_stats(src, labels, temperature, want_entropy, real, dtype)
     width = (tile_count(real),) if per_tile else ()
     m = torch.full((M,), float("-inf"), dtype=dtype, device=dev)
     s = torch.zeros(M, *width, dtype=dtype, device=dev)
@@ -252,6 +257,35 @@ def logits_stats(
     if labels is not None:
         z = label_logits(src, labels, temp, dtype)
     m, s, t = drop_dead_rows(m, s, t)
+    return m, s, t, z
+
+
+def _one_chunk_stats(
+    src: RowSource,
+    labels: torch.Tensor | None,
+    temperature: Temperature,
+    want_entropy: bool,
+    real: int,
+    dtype: torch.dtype,
+) -> Stats:
+    """:func:`logits_stats` of rows that fit in one chunk: the same operations on the same
+    rows, without the per-run buffers (a small call's time is its number of operations).
+
+    The chunk runs on the calling thread, as one chunk does in :func:`run_chunks`,
+    and its tiles go to the same tree, so every row has the bits it has in a larger call.
+    """
+    M, dev = src.num_rows, src.logits.device
+    temp = TemperatureColumn(temperature, dtype, dev)
+    ws = Workspace(M, real, dtype, dev)
+    try:
+        m, cs, ct = chunk_stats(
+            src.rows(0, M, ws), ws, temperature=temp.rows(0, M), entropy=want_entropy
+        )
+        sums = fold(cs.unsqueeze(-1) if ct is None else torch.stack((cs, ct), -1))
+    finally:
+        ws.release()
+    z = label_logits(src, labels, temp, dtype) if labels is not None else None
+    m, s, t = drop_dead_rows(m, sums[:, 0], sums[:, 1] if ct is not None else None)
     return m, s, t, z
 
 

@@ -66,7 +66,9 @@ def scaled_max(
     ``fl(max x / T) = max fl(x / T)``: the max of the scaled chunk without
     scaling the chunk.
     """
-    m = src.amax(-1, keepdim=True).to(dtype)
+    m = src.amax(-1, keepdim=True)
+    if m.dtype != dtype:
+        m = m.to(dtype)
     return m if temperature is None else m / temperature
 
 
