@@ -397,3 +397,21 @@ def test_bad_input_messages():
         kl_penalty(logp, ref, "k3", response_mask=torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(TypeError, match="kl_penalty"):
         kl_penalty(logp, ref, "k2", kl_penalty="k3")  # verl's keyword: rlmath.compat.verl
+
+
+def test_the_default_k1_call_equals_the_general_path_and_checks_as_much():
+    logp, ref = torch.randn(4, 5, requires_grad=True), torch.randn(4, 5)
+    plain = kl_penalty(logp, ref)
+    general = kl_penalty(logp, ref, "k1", response_mask=torch.ones(4, 5, dtype=torch.bool))
+    assert torch.equal(plain, general)
+    (g_plain,) = torch.autograd.grad(plain.sum(), logp)
+    (g_general,) = torch.autograd.grad(general.sum(), logp)
+    assert torch.equal(g_plain, g_general)
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        kl_penalty(logp, ref, "k1", log_ratio_clamp=0.0)
+    with pytest.raises(ValueError, match="k3_max"):
+        kl_penalty(logp, ref, "k1", k3_max=-1.0)
+    with pytest.raises(ValueError, match="ref_log_prob"):
+        kl_penalty(logp, torch.randn(5, 4))
+    with pytest.raises(TypeError, match="ref_log_prob"):
+        kl_penalty(logp, torch.ones(4, 5, dtype=torch.int64))

@@ -142,6 +142,23 @@ def kl_penalty(
         ``response_mask`` is 0. Element-wise: a NaN at one position affects
         that position only.
     """
+    if (
+        estimator == "k1"
+        and response_mask is None
+        and old_log_prob is None
+        and type(log_prob) is torch.Tensor
+        and type(ref_log_prob) is torch.Tensor
+        and log_prob.dtype is torch.float32
+        and ref_log_prob.dtype is torch.float32
+        and log_prob.shape == ref_log_prob.shape
+        and type(log_ratio_clamp) is float
+        and log_ratio_clamp == 20.0
+        and type(k3_max) is float
+        and k3_max == 10.0
+    ):
+        # The most common call, checked in full: two fp32 tensors of one shape, the
+        # default bounds (which k1 does not read). One subtraction is the whole estimator.
+        return log_prob - ref_log_prob
     base = _ESTIMATOR_BASE.get(estimator) if isinstance(estimator, str) else None
     if base is None:
         if estimator in ("full", "full+"):
