@@ -87,6 +87,34 @@ def test_tree_adds_every_tile_once():
     assert tree.tile_sums(torch.ones(2, 300)).tolist() == [[128, 128, 44]] * 2
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    c=st.integers(1, 9), n=st.integers(1, 300), k=st.integers(1, 2), seed=st.integers(0, 2**31 - 1)
+)
+def test_a_kept_tree_adds_as_the_tree_built_each_call(c, n, k, seed):
+    # A small tree on a CPU adds into a buffer kept per thread; the same additions.
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randn(c, n, k, generator=g).exp() for _ in range(2))
+    kept_x, kept_y = tree.fold(x), tree.fold(y)
+    assert tree._kept_tree(x) is not None
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tree, "_KEPT_TREE_ENTRIES", 0)
+        assert tree._kept_tree(x) is None
+        built_x, built_y = tree.fold(x), tree.fold(y)
+    assert torch.equal(kept_x, built_x)  # not overwritten by the second call
+    assert torch.equal(kept_y, built_y)
+
+
+def test_a_kept_tree_made_in_inference_mode_serves_calls_outside_it():
+    x = torch.rand(3, 37, 2, dtype=torch.float64)
+    tree._kept_trees.trees.clear()
+    with torch.inference_mode():
+        inside = tree.fold(x)
+    outside = tree.fold(x)
+    assert torch.equal(inside, outside)
+    assert not outside.is_inference()
+
+
 # ------------------------------------------------------------------ one process
 
 

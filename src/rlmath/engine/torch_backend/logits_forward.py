@@ -129,7 +129,7 @@ def drop_dead_rows(
     dead = m == float("-inf")
     if s.dim() == 2:
         dead = dead.unsqueeze(-1)
-    return m, torch.where(dead, 0, s), torch.where(dead, 0, t) if t is not None else None
+    return m, s.masked_fill(dead, 0.0), t.masked_fill(dead, 0.0) if t is not None else None
 
 
 def label_logits(
@@ -145,12 +145,17 @@ def label_logits(
     else:
         assert src.layout is not None
         blocks = src.layout.blocks
-        parts = [
-            b.gather(1, labels[o : o + b.shape[0]])
-            for b, o in zip(blocks, src.layout.starts, strict=True)
-        ]
-        z = parts[0] if len(parts) == 1 else torch.cat(parts)
-    z = z.to(dtype)
+        if len(blocks) == 1:
+            z = blocks[0].gather(1, labels)
+        else:
+            z = torch.cat(
+                [
+                    b.gather(1, labels[o : o + b.shape[0]])
+                    for b, o in zip(blocks, src.layout.starts, strict=True)
+                ]
+            )
+    if z.dtype != dtype:
+        z = z.to(dtype)
     col = temperature.col
     return z if col is None else z / col
 
