@@ -131,16 +131,18 @@ def combine_shards(
 
     Returns:
         ``M (N,)``, ``log S (N,)``, entropy ``(N,)`` or ``None``, label logits
-        ``(N, K)`` or ``None`` (0 for labels nobody owns), and ``held``: ``(N, K)``
+        ``(N, K)`` or ``None`` (0 for labels nobody owns; in a world of one, any
+        value at a label not owned here), and ``held``: ``(N, K)``
         bool, some shard holds the label (``None`` in a world of one, or without
         labels).
     """
-    if z_labels is not None and owned is not None:
-        z_labels = torch.where(owned, z_labels, 0)
     held = None
     if group is None:
+        # A label not owned here is any value: the caller's finish makes it NaN or 0.
         big, s_all, t_all, z_all = m, s, t, z_labels
     else:
+        if z_labels is not None and owned is not None:
+            z_labels = torch.where(owned, z_labels, 0)  # the owner alone adds its logit
         big, ok = _max_with_layout(m, layout, group)
         big = torch.where(ok, big, float("nan"))
         dead = m == NEG_INF
