@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rlmath import VocabParallel
 from rlmath.distributed import run_distributed
 from rlmath.engine import tree
-from rlmath.engine.torch_backend import cpu_matmul
+from rlmath.engine.torch_backend import buffers, cpu_matmul
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.log_probs import (
     kl_from_logits,
@@ -95,22 +95,19 @@ def test_a_kept_tree_adds_as_the_tree_built_each_call(c, n, k, seed):
     # A small tree on a CPU adds into a buffer kept per thread; the same additions.
     g = torch.Generator().manual_seed(seed)
     x, y = (torch.randn(c, n, k, generator=g).exp() for _ in range(2))
-    kept_x, kept_y = tree.fold(x), tree.fold(y)
-    assert tree._kept_tree(x) is not None
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(tree, "_KEPT_TREE_ENTRIES", 0)
-        assert tree._kept_tree(x) is None
-        built_x, built_y = tree.fold(x), tree.fold(y)
+    kept_x, kept_y = buffers.fold_tiles(x), buffers.fold_tiles(y)
+    assert buffers.kept_tree(x) is not None
+    built_x, built_y = tree.fold(x), tree.fold(y)
     assert torch.equal(kept_x, built_x)  # not overwritten by the second call
     assert torch.equal(kept_y, built_y)
 
 
 def test_a_kept_tree_made_in_inference_mode_serves_calls_outside_it():
     x = torch.rand(3, 37, 2, dtype=torch.float64)
-    tree._kept_trees.trees.clear()
+    buffers._kept_trees.trees.clear()
     with torch.inference_mode():
-        inside = tree.fold(x)
-    outside = tree.fold(x)
+        inside = buffers.fold_tiles(x)
+    outside = buffers.fold_tiles(x)
     assert torch.equal(inside, outside)
     assert not outside.is_inference()
 

@@ -52,6 +52,8 @@ __all__ = ["CASES", "SMALL_HEADER", "case_calls", "rss_case", "run"]
 
 DEFAULT_REPEATS = 15
 B, T = 8, 1024
+#: The rows of a whole training batch (groups of :data:`GROUP` responses per prompt).
+BATCH, GROUP = 512, 8
 VOCABS = (32000, 151936)
 #: Seconds one timed run should last: enough calls to average out the clock.
 RUN_SECONDS = 5e-3
@@ -76,23 +78,23 @@ Call = Callable[[], object]
 # ----------------------------------------------------------------------------- inputs
 
 
-def _tokens(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``(B, T)`` fp32 inputs of the losses: log-probs, advantages, a ragged mask, values."""
+def _tokens(device: torch.device, seed: int = 0, rows: int = B) -> dict[str, torch.Tensor]:
+    """``(rows, T)`` fp32 inputs of the losses: log-probs, advantages, a ragged mask, values."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
-    mask = torch.arange(T).expand(B, T) < lengths[:, None]
-    old = -torch.rand(B, T, generator=g) * 3
+    lengths = torch.randint(T // 2, T + 1, (rows,), generator=g)
+    mask = torch.arange(T).expand(rows, T) < lengths[:, None]
+    old = -torch.rand(rows, T, generator=g) * 3
     out = {
         "old": old,
-        "logp": old + torch.randn(B, T, generator=g) * 0.1,
-        "ref": old + torch.randn(B, T, generator=g) * 0.1,
-        "adv": torch.randn(B, T, generator=g),
+        "logp": old + torch.randn(rows, T, generator=g) * 0.1,
+        "ref": old + torch.randn(rows, T, generator=g) * 0.1,
+        "adv": torch.randn(rows, T, generator=g),
         "mask": mask,
         "fmask": mask.float(),
-        "values": torch.randn(B, T, generator=g),
-        "returns": torch.randn(B, T, generator=g),
-        "vpreds": torch.randn(B, T, generator=g),
-        "rewards": torch.randn(B, T, generator=g) * 0.1,
+        "values": torch.randn(rows, T, generator=g),
+        "returns": torch.randn(rows, T, generator=g),
+        "vpreds": torch.randn(rows, T, generator=g),
+        "rewards": torch.randn(rows, T, generator=g) * 0.1,
     }
     out = {k: v.to(device) for k, v in out.items()}
     # The trained inputs require grad, as in a training step.
@@ -199,6 +201,8 @@ CASES: list[tuple[str, str, str]] = [
     ("kl_penalty k3+", f"({B}, {T})", "float32"),
     ("compute_gae_advantage_return", f"({B}, {T})", "float32"),
     ("compute_grpo_outcome_advantage", f"({B}, {T})", "float32"),
+    # verl computes the outcome advantages once per step, on the whole batch.
+    ("compute_grpo_outcome_advantage", f"({BATCH}, {T})", "float32"),
     ("masked_mean", f"({B}, {T})", "float32"),
     ("masked_whiten", f"({B}, {T})", "float32"),
 ]
@@ -239,9 +243,9 @@ def _vocab_calls(
 
 
 def _token_calls(
-    function: str, verl: dict[str, Callable[..., Any]], device: torch.device
+    function: str, verl: dict[str, Callable[..., Any]], device: torch.device, rows: int = B
 ) -> dict[str, Call | None]:
-    d = _tokens(device)
+    d = _tokens(device, rows=rows)
     old, logp, ref, adv = d["old"], d["logp"], d["ref"], d["adv"]
     mask, fmask, values, returns, vpreds = (d[k] for k in ("mask", "fmask", "values", "returns", "vpreds"))  # fmt: skip
     calls: dict[str, Call | None] = {}
@@ -291,11 +295,14 @@ def _token_calls(
             calls["verl"] = partial(verl["compute_gae_advantage_return"], rw, values, fmask, 1.0, 0.95)  # fmt: skip
         calls["naive"] = None
     elif function == "compute_grpo_outcome_advantage":
-        # 0/1 outcome rewards on each response's last valid token.
-        rw = torch.zeros(B, T, device=device)
+        # 0/1 outcome rewards on each response's last valid token; groups of 4 in a
+        # micro-batch, of 8 in the batch.
+        rw = torch.zeros(rows, T, device=device)
         last = mask.sum(-1) - 1
-        rw[torch.arange(B, device=device), last] = (torch.arange(B, device=device) % 2).float()
-        index = [str(i // 4) for i in range(B)]
+        rows_at = torch.arange(rows, device=device)
+        rw[rows_at, last] = (rows_at % 2).float()
+        size = 4 if rows == B else GROUP
+        index = [str(i // size) for i in range(rows)]
         calls["rlmath"] = partial(R.compute_grpo_outcome_advantage, rw, mask, index)
         calls["verl formula"] = partial(vf.compute_grpo_outcome_advantage, rw, fmask, index)
         if "compute_grpo_outcome_advantage" in verl:
@@ -305,7 +312,7 @@ def _token_calls(
             calls["verl"] = partial(verl["compute_grpo_outcome_advantage"], rw, fmask, ids)
 
         def grpo_naive() -> torch.Tensor:
-            s = rw.sum(-1).view(-1, 4)
+            s = rw.sum(-1).view(-1, size)
             a = (s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + 1e-6)
             return a.view(-1, 1) * fmask
 
@@ -343,7 +350,7 @@ def case_calls(
             args = (d["x"], d["labels"]) if real == "logprobs_from_logits" else (d["x"],)
             calls["verl"] = partial(verl[real], *args)
         return calls
-    return _token_calls(function, verl, dev)
+    return _token_calls(function, verl, dev, rows=int(shape.strip("()").split(",")[0]))
 
 
 def rss_case(function: str, shape: str, dtype: str, impl: str, peers: bool) -> RssCase:

@@ -25,8 +25,6 @@ the chunk or the thread count.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from rlmath import _device
@@ -177,16 +175,13 @@ def fold(x: torch.Tensor) -> torch.Tensor:
 
     The tiles padded with zeros to a power of two, then halved level by level:
     the additions of :func:`local_nodes` for a run of every tile, in fewer ops
-    (each level one ``unbind`` of the pairs and one addition). A small tree
-    on a CPU adds into a kept buffer instead (:class:`_Tree`: one operation
-    per level), the same additions.
+    (each level one ``unbind`` of the pairs and one addition). The pure-torch
+    backend's passes add small trees on a CPU into a kept buffer instead
+    (:func:`rlmath.engine.torch_backend.buffers.fold_tiles`), the same additions.
     """
     c, n, k = x.shape
     if n == 0:
         return x.new_zeros(c, k)
-    tree = _kept_tree(x)
-    if tree is not None:
-        return tree.fold(x)
     width = 1 << (n - 1).bit_length()
     if width != n:
         x = torch.cat([x, x.new_zeros(c, width - n, k)], 1)
@@ -195,73 +190,3 @@ def fold(x: torch.Tensor) -> torch.Tensor:
         left, right = x.reshape(c, width, 2, k).unbind(2)
         x = left + right
     return x[:, 0]
-
-
-# A tree this small (entries of all its levels) is kept per thread for the next call.
-_KEPT_TREE_ENTRIES = 1 << 16
-_KEPT_TREES = 8
-
-
-class _Tree:
-    """The levels of one tree shape in one buffer, with the views each level adds.
-
-    ``(c, n, k)`` tiles go to level 0 (its columns past ``n`` stay ``+0.0``);
-    level ``L + 1`` is written as ``left + right`` of the pairs of level ``L``,
-    each level in its own columns, so the padding is never overwritten. The
-    views are made once; a call is one copy, one addition per level and one
-    copy of the root.
-    """
-
-    def __init__(self, c: int, n: int, k: int, dtype: torch.dtype, device: torch.device):
-        width = 1 << (n - 1).bit_length()
-        # Made outside inference mode, so that it can be written in and out of it.
-        with torch.inference_mode(False):
-            buf = torch.zeros(c, 2 * width - 1, k, dtype=dtype, device=device)
-        self.leaves = buf[:, :n]
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        start, w = 0, width
-        while w > 1:
-            pairs = buf[:, start : start + w].unflatten(1, (w // 2, 2))
-            out = buf[:, start + w : start + w + w // 2]
-            self.steps.append((pairs[:, :, 0], pairs[:, :, 1], out))
-            start, w = start + w, w // 2
-        self.root = buf[:, start]
-
-    def fold(self, x: torch.Tensor) -> torch.Tensor:
-        self.leaves.copy_(x)
-        for left, right, out in self.steps:
-            torch.add(left, right, out=out)
-        return self.root.clone()
-
-
-class _KeptTrees(threading.local):
-    def __init__(self) -> None:
-        self.trees: dict[tuple[int, int, int, torch.dtype], _Tree] = {}
-
-
-_kept_trees = _KeptTrees()
-
-
-def _kept_tree(x: torch.Tensor) -> _Tree | None:
-    """This thread's kept :class:`_Tree` for ``x``'s shape and dtype, or ``None`` (not kept).
-
-    Only for plain CPU tensors outside dispatch modes and transforms (which
-    must see every allocation, or hold tensors of their own), and small trees.
-    """
-    c, n, k = x.shape
-    if (
-        type(x) is not torch.Tensor
-        or x.device.type != "cpu"
-        or c * 2 * n * k > _KEPT_TREE_ENTRIES
-        or torch._C._len_torch_dispatch_stack() != 0
-        or torch._C._are_functorch_transforms_active()
-    ):
-        return None
-    trees = _kept_trees.trees
-    key = (c, n, k, x.dtype)
-    tree = trees.get(key)
-    if tree is None:
-        if len(trees) >= _KEPT_TREES:
-            del trees[next(iter(trees))]  # the oldest
-        tree = trees[key] = _Tree(c, n, k, x.dtype, x.device)
-    return tree

@@ -15,6 +15,12 @@ of inference mode); under a ``TorchDispatchMode`` nothing is kept, so a mode
 sees every allocation. The fused head's :class:`TileWorkspace` keeps nothing
 (see :meth:`TileWorkspace.release`); accelerators have their own caching
 allocator and keep nothing here.
+
+**Kept trees.** The fixed tree that adds a row's tile sums
+(:mod:`rlmath.engine.tree`) costs three small operations per level when built
+for each call. :func:`fold_tiles` keeps, per thread, a buffer for each of the
+last few small tree shapes with the views of its levels made once, so that a
+level is one addition (the same additions as :func:`rlmath.engine.tree.fold`).
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ from collections.abc import Callable
 
 import torch
 
+from rlmath.engine.tree import fold
+
 __all__ = [
     "HELD_BYTES",
     "Temperature",
     "TemperatureColumn",
     "TileWorkspace",
     "Workspace",
+    "fold_tiles",
     "held_bytes",
+    "kept_tree",
 ]
 
 #: The most scratch memory kept between passes on a CPU, all threads together, in bytes.
@@ -269,3 +279,81 @@ class TemperatureColumn:
         if self.col is None or not self.per_row:
             return self.col
         return self.col[start:end]
+
+
+# A tree with at most this many entries in all its levels is kept per thread for the next call.
+_KEPT_TREE_ENTRIES = 1 << 16
+_KEPT_TREES = 8
+
+
+class _Tree:
+    """The levels of one tree shape in one buffer, with the views each level adds.
+
+    ``(c, n, k)`` tiles go to level 0 (its columns past ``n`` stay ``+0.0``);
+    level ``L + 1`` is written as ``left + right`` of the pairs of level ``L``,
+    each level in its own columns, so the padding is never overwritten. The
+    views are made once; a call is one copy, one addition per level and one
+    copy of the root.
+    """
+
+    def __init__(self, c: int, n: int, k: int, dtype: torch.dtype, device: torch.device):
+        width = 1 << (n - 1).bit_length()
+        # Made outside inference mode, so that it can be written in and out of it.
+        with torch.inference_mode(False):
+            buf = torch.zeros(c, 2 * width - 1, k, dtype=dtype, device=device)
+        self.leaves = buf[:, :n]
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        start, w = 0, width
+        while w > 1:
+            pairs = buf[:, start : start + w].unflatten(1, (w // 2, 2))
+            out = buf[:, start + w : start + w + w // 2]
+            self.steps.append((pairs[:, :, 0], pairs[:, :, 1], out))
+            start, w = start + w, w // 2
+        self.root = buf[:, start]
+
+    def fold(self, x: torch.Tensor) -> torch.Tensor:
+        self.leaves.copy_(x)
+        for left, right, out in self.steps:
+            torch.add(left, right, out=out)
+        return self.root.clone()
+
+
+class _KeptTrees(threading.local):
+    def __init__(self) -> None:
+        self.trees: dict[tuple[int, int, int, torch.dtype], _Tree] = {}
+
+
+_kept_trees = _KeptTrees()
+
+
+def kept_tree(x: torch.Tensor) -> _Tree | None:
+    """This thread's kept :class:`_Tree` for ``x``'s shape and dtype, or ``None`` (not kept).
+
+    Only for plain CPU tensors outside dispatch modes and transforms (which
+    must see every allocation, or hold tensors of their own), and small trees.
+    """
+    c, n, k = x.shape
+    width = 1 << (n - 1).bit_length()
+    if (
+        type(x) is not torch.Tensor
+        or x.device.type != "cpu"
+        or c * (2 * width - 1) * k > _KEPT_TREE_ENTRIES
+        or torch._C._len_torch_dispatch_stack() != 0
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return None
+    trees = _kept_trees.trees
+    key = (c, n, k, x.dtype)
+    tree = trees.get(key)
+    if tree is None:
+        if len(trees) >= _KEPT_TREES:
+            del trees[next(iter(trees))]  # the oldest
+        tree = trees[key] = _Tree(c, n, k, x.dtype, x.device)
+    return tree
+
+
+def fold_tiles(x: torch.Tensor) -> torch.Tensor:
+    """:func:`rlmath.engine.tree.fold` of ``(c, n, k)`` tile sums, in this thread's kept tree
+    when there is one for them (the same additions), else built for the call."""
+    tree = kept_tree(x) if x.shape[1] else None
+    return tree.fold(x) if tree is not None else fold(x)

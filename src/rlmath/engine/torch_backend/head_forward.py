@@ -16,10 +16,9 @@ import functools
 import torch
 
 from rlmath.engine.stats import merge_tile_stats
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, fold_tiles
 from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
 from rlmath.engine.torch_backend.logits_forward import chunk_stats
-from rlmath.engine.tree import fold
 
 __all__ = ["head_stats"]
 
@@ -102,9 +101,9 @@ def _block_stats(
         cm, cs, ct = chunk_stats(
             z[s0:s1], scratch.small, temperature=temp.rows(r0 + s0, r0 + s1), entropy=entropy
         )
-        tm[s0:s1], ts[s0:s1] = cm, fold(cs.unsqueeze(-1))[:, 0]
+        tm[s0:s1], ts[s0:s1] = cm, fold_tiles(cs.unsqueeze(-1))[:, 0]
         if tt is not None and ct is not None:
-            tt[s0:s1] = fold(ct.unsqueeze(-1))[:, 0]
+            tt[s0:s1] = fold_tiles(ct.unsqueeze(-1))[:, 0]
     big, total_s, total_t = out
     old = (big[r0:r1], total_s[r0:r1], total_t[r0:r1] if total_t is not None else None)
     m, s, t = merge_tile_stats(old, (tm, ts, tt))

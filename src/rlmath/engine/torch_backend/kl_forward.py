@@ -19,10 +19,15 @@ import torch
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size
 from rlmath.engine.stats import finish_kl
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
+from rlmath.engine.torch_backend.buffers import (
+    Temperature,
+    TemperatureColumn,
+    Workspace,
+    fold_tiles,
+)
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.tree import fold, tile_count, tile_sums
+from rlmath.engine.tree import tile_count, tile_sums
 
 __all__ = ["chunk_kl", "kl_stats"]
 
@@ -61,7 +66,7 @@ def chunk_kl(
 
 def _tree_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
     """Row sums of a ``(c, V)`` chunk in the fixed order: tiles, then the tree."""
-    return fold(tile_sums(x, nan=nan).unsqueeze(-1))[:, 0]
+    return fold_tiles(tile_sums(x, nan=nan).unsqueeze(-1))[:, 0]
 
 
 def _weighted_difference(

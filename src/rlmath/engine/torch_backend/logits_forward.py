@@ -19,10 +19,15 @@ import torch
 
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size, fold_groups
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
+from rlmath.engine.torch_backend.buffers import (
+    Temperature,
+    TemperatureColumn,
+    Workspace,
+    fold_tiles,
+)
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift, upcast, upcasts_first
 from rlmath.engine.torch_backend.rows import RowSource
-from rlmath.engine.tree import fold, tile_count, tile_sums
+from rlmath.engine.tree import tile_count, tile_sums
 
 if TYPE_CHECKING:
     from rlmath.engine.sampling import KeptSet
@@ -252,7 +257,7 @@ def logits_stats(
             if ct is not None:
                 tiles[a - g0 : b - g0, :, 1] = ct
         if tiles is not None:
-            sums = fold(tiles)
+            sums = fold_tiles(tiles)
             s[g0:g1] = sums[:, 0]
             if t is not None:
                 t[g0:g1] = sums[:, 1]
@@ -286,7 +291,7 @@ def _one_chunk_stats(
         m, cs, ct = chunk_stats(
             src.rows(0, M, ws), ws, temperature=temp.rows(0, M), entropy=want_entropy
         )
-        sums = fold(cs.unsqueeze(-1) if ct is None else torch.stack((cs, ct), -1))
+        sums = fold_tiles(cs.unsqueeze(-1) if ct is None else torch.stack((cs, ct), -1))
     finally:
         ws.release()
     z = label_logits(src, labels, temp, dtype) if labels is not None else None

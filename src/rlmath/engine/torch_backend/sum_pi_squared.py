@@ -6,10 +6,15 @@ import torch
 
 from rlmath.engine.execution import run_chunks
 from rlmath.engine.policy import auto_chunk_size, fold_groups
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
+from rlmath.engine.torch_backend.buffers import (
+    Temperature,
+    TemperatureColumn,
+    Workspace,
+    fold_tiles,
+)
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.tree import fold, tile_count, tile_sums
+from rlmath.engine.tree import tile_count, tile_sums
 
 __all__ = ["pi_squared_stats"]
 
@@ -64,7 +69,7 @@ def pi_squared_stats(
                 tiles = torch.empty(g1 - g0, cs.shape[1], 2, dtype=dtype, device=dev)
             tiles[a - g0 : b - g0, :, 0], tiles[a - g0 : b - g0, :, 1] = cs, cu
         if tiles is not None:  # each row's tiles added up once its run of chunks is done
-            sums = fold(tiles)
+            sums = fold_tiles(tiles)
             s[g0:g1], u[g0:g1] = sums[:, 0], sums[:, 1]
 
     runs = [(i, i + 1) for i in range(len(groups))]
