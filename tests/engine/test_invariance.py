@@ -104,12 +104,29 @@ def test_a_kept_tree_adds_as_the_tree_built_each_call(c, n, k, seed):
 
 def test_a_kept_tree_made_in_inference_mode_serves_calls_outside_it():
     x = torch.rand(3, 37, 2, dtype=torch.float64)
-    buffers._kept_trees.trees.clear()
+    buffers.release_kept()
+    assert not buffers._pool.kept.trees
     with torch.inference_mode():
         inside = buffers.fold_tiles(x)
+    assert buffers._pool.kept.trees  # kept, though made under inference mode
     outside = buffers.fold_tiles(x)
     assert torch.equal(inside, outside)
     assert not outside.is_inference()
+    buffers.release_kept()
+    assert not buffers._pool.kept.trees
+
+
+def test_no_tree_is_kept_under_a_dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.rand(2, 9, 1)
+    with Seen():
+        assert buffers.kept_tree(x) is None
+        assert torch.equal(buffers.fold_tiles(x), tree.fold(x))
 
 
 # ------------------------------------------------------------------ one process

@@ -58,10 +58,14 @@ def _nbytes(buf: torch.Tensor) -> int:
 
 
 class _Kept:
-    """One thread's kept buffers (flat tensors, newest last); uncounted when the thread ends."""
+    """One thread's kept buffers (flat tensors, newest last); uncounted when the thread ends.
+
+    ``trees``: the thread's kept trees (:func:`fold_tiles`), by shape and dtype, oldest first.
+    """
 
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
+        self.trees: dict[tuple[int, int, int, torch.dtype], _Tree] = {}
         _every.add(self)
 
     def __del__(self) -> None:
@@ -76,7 +80,8 @@ _every: weakref.WeakSet[_Kept] = weakref.WeakSet()
 
 
 def release_kept() -> None:
-    """Free the scratch every thread keeps (for a measurement that starts from nothing kept).
+    """Free the scratch and trees every thread keeps (for a measurement that starts from
+    nothing kept).
 
     Call it while no rlmath pass runs.
     """
@@ -84,6 +89,7 @@ def release_kept() -> None:
         for kept in list(_every):
             _held[0] -= sum(_nbytes(b) for b in kept.free)
             kept.free.clear()
+            kept.trees.clear()
 
 
 _trim: Callable[[int], int] | bool | None = False  # False: not looked up yet
@@ -318,14 +324,6 @@ class _Tree:
         return self.root.clone()
 
 
-class _KeptTrees(threading.local):
-    def __init__(self) -> None:
-        self.trees: dict[tuple[int, int, int, torch.dtype], _Tree] = {}
-
-
-_kept_trees = _KeptTrees()
-
-
 def kept_tree(x: torch.Tensor) -> _Tree | None:
     """This thread's kept :class:`_Tree` for ``x``'s shape and dtype, or ``None`` (not kept).
 
@@ -336,13 +334,12 @@ def kept_tree(x: torch.Tensor) -> _Tree | None:
     width = 1 << (n - 1).bit_length()
     if (
         type(x) is not torch.Tensor
-        or x.device.type != "cpu"
         or c * (2 * width - 1) * k > _KEPT_TREE_ENTRIES
-        or torch._C._len_torch_dispatch_stack() != 0
+        or not _pooled(x.device)
         or torch._C._are_functorch_transforms_active()
     ):
         return None
-    trees = _kept_trees.trees
+    trees = _pool.kept.trees
     key = (c, n, k, x.dtype)
     tree = trees.get(key)
     if tree is None:
