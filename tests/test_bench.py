@@ -174,6 +174,14 @@ def test_small_table_times_every_listed_function(capsys):
         assert float(row[9]) > 0
     assert rows[0][4] != "n/a" and float(rows[0][7]) > 0
     assert rows[1][4] == rows[1][7] == "n/a"  # verl has no exact KL over the vocabulary
+    # The accuracy of the same vocabulary calls against fp64: rlmath computes bf16 logits in
+    # fp32 (errors of a few fp32 roundings); verl's formula runs log_softmax in bf16, whose
+    # outputs carry 8 significant bits (about 4e-3 relative at log-probs near -10).
+    acc = _table_rows(out, "outputs of")
+    assert [row[:3] for row in acc] == [[f, "(8, 32000)", "bfloat16"] for f in functions[:2]]
+    assert all(float(row[3]) < 1e-5 and float(row[6]) < 1e-4 for row in acc)  # rlmath, naive
+    assert float(acc[0][4]) > 1e-3 and acc[1][4] == "n/a"
+    assert acc[0][5] == acc[1][5] == "n/a"  # verl itself not imported
 
 
 def test_small_cases_cover_every_function_group():

@@ -24,6 +24,12 @@ rlmath's time over the verl formula's in the same run. verl has no exact KL
 over the vocabulary, hence no verl column for ``kl_from_logits``; the verl
 formula of a policy loss returns its metrics as tensors (verl calls
 ``.item()`` on each, a host sync on a GPU).
+
+A second table gives, for the calls over logits, each implementation's
+largest absolute error against the fp64 value of the same inputs
+(:func:`accuracy_case`): a time is comparable only with the accuracy it
+buys (verl's formulas run ``log_softmax`` and ``softmax`` in the logits'
+dtype, so on bf16 logits their outputs have bf16's 8 significant bits).
 """
 
 from __future__ import annotations
@@ -48,7 +54,15 @@ from rlmath.bench.setting import (
 )
 from rlmath.bench.tables import print_header, print_rows, significant
 
-__all__ = ["CASES", "SMALL_HEADER", "case_calls", "rss_case", "run"]
+__all__ = [
+    "ACCURACY_HEADER",
+    "CASES",
+    "SMALL_HEADER",
+    "accuracy_case",
+    "case_calls",
+    "rss_case",
+    "run",
+]
 
 DEFAULT_REPEATS = 15
 B, T = 8, 1024
@@ -72,6 +86,9 @@ SMALL_HEADER = [
     "rlmath peak RSS MiB",
     "verl formula peak RSS MiB",
 ]
+
+#: The accuracy table: the largest error of each implementation's outputs against fp64.
+ACCURACY_HEADER = ["outputs of", "input", "dtype", "rlmath", "verl formula", "verl", "naive"]
 
 Call = Callable[[], object]
 
@@ -411,6 +428,50 @@ def bench_case(
     ]  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- accuracy
+
+
+def _reference(function: str, d: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs of ``function`` on ``d``'s inputs, from the definitions in fp64."""
+    x = d["x"].detach().double()
+    ls = torch.log_softmax(x, -1)
+    logp = ls.gather(-1, d["labels"][:, None]).squeeze(-1)
+    entropy = -(ls.exp() * ls).sum(-1)
+    if function == "log_probs_from_logits":
+        return [logp]
+    if function == "log_probs_and_entropy_from_logits":
+        return [logp, entropy]
+    if function == "entropy_from_logits":
+        return [entropy]
+    if function == "compute_entropy_loss":  # every token of the one sequence counts
+        return [entropy.mean()]
+    lr = torch.log_softmax(d["r"].double(), -1)
+    return [(ls.exp() * (ls - lr)).sum(-1)]
+
+
+def _error(out: object, want: list[torch.Tensor]) -> float:
+    # A tuple's tensors (a loss's metrics dict is not an output compared here).
+    items = out if isinstance(out, tuple) else (out,)
+    got = [o for o in items if isinstance(o, torch.Tensor)]
+    return max(float((g.detach().double() - w).abs().max()) for g, w in zip(got, want, strict=True))
+
+
+def accuracy_case(
+    function: str, shape: str, dtype: str, *, peers: bool, device: str | torch.device = "cpu"
+) -> list[str]:
+    """The accuracy row of one vocabulary call: each implementation's largest absolute error
+    against the fp64 value of the same inputs (``n/a`` where it has no such call)."""
+    dev = torch.device(device)
+    calls = case_calls(function, shape, dtype, peers=peers, device=dev)
+    v = int(shape.strip("()").split(",")[-1])
+    want = _reference(function, _logits(v, getattr(torch, dtype), dev))
+    cells = []
+    for name in ACCURACY_HEADER[3:]:
+        fn = calls.get(name)
+        cells.append("n/a" if fn is None else f"{_error(fn(), want):.1e}")
+    return [function, shape, dtype, *cells]
+
+
 def run(
     setting: Setting,
     *,
@@ -437,3 +498,13 @@ def run(
     for function, shape, dtype in cases:
         print_rows([bench_case(setting, function, shape, dtype, repeats, rss=not quick)])
         release_memory(setting.device)
+    vocab = [c for c in cases if c[0] in (*VOCAB_FUNCTIONS, "compute_entropy_loss")]
+    if vocab:
+        print(
+            "\nLargest absolute error of the same calls' outputs (log-probs, entropy, KL) "
+            "against their fp64 values on the same inputs:\n"
+        )
+        print_header(ACCURACY_HEADER)
+        for function, shape, dtype in vocab:
+            print_rows([accuracy_case(function, shape, dtype, peers=setting.peers,
+                                      device=setting.device)])  # fmt: skip
