@@ -355,6 +355,80 @@ def test_a_shard_that_holds_only_some_labels_matches_the_torch_backend(k, entrop
             assert (out["triton"][2][:, 280:] == 0).all()
 
 
+def _tile_grid_worker() -> dict[str, list[torch.Tensor]]:
+    """This rank's results over shards on the tile grid: 512 columns (500 real) on 2 or 4 ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    N, V, real = 6, 512, 500
+    g = gen(21)
+    x = torch.randn(N, V, generator=g) * 2
+    ref = x + 0.3 * torch.randn(N, V, generator=g)
+    labels = torch.randint(0, real, (N,), generator=g)
+    labels[2] = IGNORE
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    per_row = torch.rand(N, generator=g) + 0.5
+    width = V // world
+    cols = slice(rank * width, (rank + 1) * width)
+    kw = {"vocab_parallel": R.VocabParallel(group=dist.group.WORLD), "vocab_size": real,
+          "backend": "triton"}  # fmt: skip
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, temp in (("T = 1", 1.0), ("scalar T", 0.7), ("T per row", per_row)):
+        leaf = x[:, cols].clone().requires_grad_()
+        lp, ent = R.log_probs_and_entropy_from_logits(leaf, labels, temperature=temp, **kw)
+        (lp.nan_to_num() * gl + ent * ge).sum().backward()
+        kl_leaf = x[:, cols].clone().requires_grad_()
+        kl = R.kl_from_logits(kl_leaf, ref[:, cols], temperature=temp, **kw)
+        (kl * gl).sum().backward()
+        pi2 = R.sum_pi_squared_from_logits(x[:, cols], temperature=temp, **kw)
+        kept_leaf = x[:, cols].clone().requires_grad_()
+        kept = R.log_probs_from_logits(kept_leaf, labels, temperature=temp, top_k=20, **kw)
+        (kept.nan_to_num() * gl).sum().backward()
+        out[name] = [lp.detach(), ent.detach(), kl.detach(), pi2, kept.detach()]
+        out[name + " grads"] = [leaf.grad, kl_leaf.grad, kept_leaf.grad]
+    # Packed rows (the rows picked by index): two sequences of 4 and 2 tokens.
+    ids = labels.clamp_min(0)
+    input_ids, mask = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+    input_ids[0], input_ids[1, :2], mask[0], mask[1, :2] = ids[:4], ids[4:], 1, 1
+    packed = R.log_probs_from_logits_response_rmpad(input_ids, mask, x[:, cols], 3, **kw)
+    out["packed"] = [packed]
+    return out
+
+
+@pytest.mark.integration
+def test_shards_on_the_tile_grid_give_the_same_bits_on_2_and_4_ranks():
+    """Values and gradients of log-probs, entropy, KL, Σπ² and kept-set log-probs over shards on
+    the tile grid: bitwise the same on 2 and 4 ranks (each tile summed alone, then the fixed
+    tree), and close to fp64. (One process runs the one-pass kernels: within rounding.)"""
+    from rlmath.distributed import run_distributed
+
+    worlds = {w: run_distributed(_tile_grid_worker, w) for w in (2, 4)}
+    want = {}  # the whole gradient from the two ranks of the 2-rank run
+    for key in worlds[2][0]:
+        parts = [r[key] for r in worlds[2]]
+        want[key] = [torch.cat(p, 1) for p in zip(*parts, strict=True)] if key.endswith(
+            "grads") else parts[0]  # fmt: skip
+    for w, ranks in worlds.items():
+        width = 512 // w
+        for rank, got in enumerate(ranks):
+            for key, values in got.items():
+                for a, b in zip(values, want[key], strict=True):
+                    if key.endswith("grads"):  # this rank's columns
+                        b = b[:, rank * width : (rank + 1) * width]
+                    assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), (w, rank, key)
+    g = gen(21)
+    x = torch.randn(6, 512, generator=g) * 2
+    torch.randn(6, 512, generator=g)  # the reference logits' noise
+    labels = torch.randint(0, 500, (6,), generator=g)
+    ls = log_softmax64(x[:, :500])
+    lp, ent = want["T = 1"][:2]
+    keep = torch.arange(6) != 2  # row 2's label is ignored: log-prob and entropy 0
+    lp64 = ls.gather(1, labels[:, None]).squeeze(1)
+    ent64 = -(ls.exp() * ls).sum(-1)
+    torch.testing.assert_close(lp[keep].double(), lp64[keep], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent[keep].double(), ent64[keep], atol=2e-5, rtol=0)
+
+
 # ------------------------------------------------------------------ responses (narrow and packed rows)
 
 

@@ -244,6 +244,26 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
 
         return run
 
+    def tile_case(dt, V, temp, entropy, picked=False):
+        """The wrapper's per-tile pass of a vocabulary shard, given the rows' global max
+        (``picked``: rows chosen by index, as packed sequences are)."""
+
+        def run():
+            from rlmath.engine.triton_backend.logits_forward import logits_stats
+
+            x = logits((10, V), dt)
+            rows = torch.tensor([0, 3, 4, 8]) if picked else None
+            M = 4 if picked else 10
+            labels = torch.randint(0, V, (M, 1), generator=_g(1))
+            t = {"none": None, "scalar": 0.7, "rows": torch.rand(M, generator=_g(2)) + 0.5}
+            shift = x.float().amax(-1)[rows if picked else slice(None)] + 0.5
+            logits_stats(
+                x, rows, None, labels, t[temp], entropy, V, None, torch.float32, shift=shift
+            )
+
+        return run
+
+    main_v = (32000, 151936, 262144, 50257)
     main_v = (32000, 151936, 262144, 50257)
 
     # fp16 compiles to the code of bf16 but for its conversions: the main cases only
@@ -272,6 +292,19 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
             f"logprobs {dname} V=32000 transposed",
             False,
             lp_case(dt, 32000, "transposed", "scalar", True, 1, False),
+        )
+        # A shard on the 128-column tile grid (half of V = 32000): the per-tile kernel.
+        for temp in ("none", "scalar", "rows"):
+            for entropy in (True, False):
+                yield (
+                    f"tile sums {dname} V=16000 T={temp} entropy={entropy}",
+                    aligned_rows(16000, dt),
+                    tile_case(dt, 16000, temp, entropy),
+                )
+        yield (
+            f"tile sums {dname} V=16000 rows by index",
+            aligned_rows(16000, dt),
+            tile_case(dt, 16000, "scalar", True, picked=True),
         )
     # Each option on the main layouts, in fp32 and bf16 (and fp16 with `full`).
     for dname, dt in dtypes.items():

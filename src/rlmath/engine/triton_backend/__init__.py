@@ -30,6 +30,7 @@ import torch
 
 from rlmath.engine.backends import Backend, Kernels, register_backend
 from rlmath.engine.torch_backend.kept_shards import sharded_thresholds
+from rlmath.engine.torch_backend.logits_forward import logits_max
 
 # Before the kernels: raises ImportError (the backend is then unavailable)
 # without a usable triton.
@@ -83,6 +84,7 @@ TRITON_KERNELS = Kernels(
     head_grad=head_grad,
     pi_squared_stats=pi_squared_stats,
     head_tiles=head_tiles,
+    logits_max=logits_max,
     kept_thresholds=sharded_thresholds,
 )
 

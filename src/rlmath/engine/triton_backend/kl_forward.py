@@ -131,13 +131,21 @@ def kl_stats(
     real: int,
     chunk: int | None,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    shift: tuple[torch.Tensor, torch.Tensor] | None = None,
+    log_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``(KL, lse_z, lse_r)`` of every row (only the first ``real`` columns), ``(N,)`` each.
 
     Args as in :func:`rlmath.engine.torch_backend.kl_forward.kl_stats`;
     ``chunk`` is not used. An fp64 compute dtype (an fp64 input) runs the
-    pure-torch pass.
+    pure-torch pass, and so do the two phases of a shard on the tile grid
+    (``shift``, ``log_sums``: sums per 128-column tile, the same on every shard).
     """
+    if shift is not None:
+        return torch_kl_stats(
+            logits, ref_logits, temperature, real, chunk, dtype, shift=shift, log_sums=log_sums
+        )
     if dtype != torch.float32:
         kl, lse_z, lse_r = torch_kl_stats(logits, ref_logits, temperature, real, chunk, dtype)
         return kl, lse_z, lse_r

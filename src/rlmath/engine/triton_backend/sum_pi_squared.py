@@ -83,13 +83,16 @@ def pi_squared_stats(
     real: int,
     chunk: int | None,
     dtype: torch.dtype,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(m, s, u)`` per row; ``Σ π² = u / s²`` (``m = -inf, s = u = 0`` without a finite logit).
 
-    ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass.
+    ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass, and
+    so does a shard on the tile grid (``shift``: sums per 128-column tile,
+    the pure-torch pass's, the same on every shard).
     """
-    if dtype != torch.float32:
-        return torch_pi_squared(logits, temperature, real, chunk, dtype)
+    if dtype != torch.float32 or shift is not None:
+        return torch_pi_squared(logits, temperature, real, chunk, dtype, shift=shift)
     dev = logits.device
     logits = int32_columns(logits)
     lay = row_layout(logits)
