@@ -418,10 +418,12 @@ def test_shards_on_the_tile_grid_give_the_same_bits_on_2_and_4_ranks():
                     assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), (w, rank, key)
     g = gen(21)
     x = torch.randn(6, 512, generator=g) * 2
-    torch.randn(6, 512, generator=g)  # the reference logits' noise
+    ref = x + 0.3 * torch.randn(6, 512, generator=g)
     labels = torch.randint(0, 500, (6,), generator=g)
-    ls = log_softmax64(x[:, :500])
-    lp, ent = want["T = 1"][:2]
+    ls, ls_r = log_softmax64(x[:, :500]), log_softmax64(ref[:, :500])
+    lp, ent, kl, pi2 = want["T = 1"][:4]
+    torch.testing.assert_close(kl.double(), (ls.exp() * (ls - ls_r)).sum(-1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pi2.double(), (2 * ls).exp().sum(-1), atol=1e-7, rtol=1e-5)
     keep = torch.arange(6) != 2  # row 2's label is ignored: log-prob and entropy 0
     lp64 = ls.gather(1, labels[:, None]).squeeze(1)
     ent64 = -(ls.exp() * ls).sum(-1)

@@ -263,6 +263,22 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
 
         return run
 
+    def tile_kl_pi2_case(dt, V, temp):
+        """The KL's two per-tile phases and ``Σ π²``'s per-tile sums of a shard on the grid."""
+
+        def run():
+            from rlmath.engine.triton_backend.kl_forward import kl_stats
+            from rlmath.engine.triton_backend.sum_pi_squared import pi_squared_stats
+
+            x, r = logits((10, V), dt), logits((10, V), dt, seed=3)
+            t = {"none": None, "rows": torch.rand(10, generator=_g(2)) + 0.5}[temp]
+            mz, mr = x.float().amax(-1) + 0.5, r.float().amax(-1) + 0.5
+            kl_stats(x, r, t, V, None, torch.float32, shift=(mz, mr))
+            kl_stats(x, r, t, V, None, torch.float32, shift=(mz, mr), log_sums=(mz, mr))
+            pi_squared_stats(x, t, V, None, torch.float32, shift=mz)
+
+        return run
+
     main_v = (32000, 151936, 262144, 50257)
     main_v = (32000, 151936, 262144, 50257)
 
@@ -306,6 +322,12 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
             aligned_rows(16000, dt),
             tile_case(dt, 16000, "scalar", True, picked=True),
         )
+        for temp in ("none", "rows"):
+            yield (
+                f"tile sums of the KL and sum pi^2 {dname} V=16000 T={temp}",
+                aligned_rows(16000, dt),
+                tile_kl_pi2_case(dt, 16000, temp),
+            )
     # Each option on the main layouts, in fp32 and bf16 (and fp16 with `full`).
     for dname, dt in dtypes.items():
         if dname == "fp16" and not full:

@@ -28,6 +28,7 @@ from rlmath.engine.triton_backend.launch import (
     temperature_args,
 )
 from rlmath.engine.triton_backend.row_math import exp_ftz, inv_temperature
+from rlmath.engine.triton_backend.tile_sums import NONE, kl_tile_sums, tile_sums
 
 __all__ = ["kl_stats"]
 
@@ -139,9 +140,15 @@ def kl_stats(
 
     Args as in :func:`rlmath.engine.torch_backend.kl_forward.kl_stats`;
     ``chunk`` is not used. An fp64 compute dtype (an fp64 input) runs the
-    pure-torch pass, and so do the two phases of a shard on the tile grid
-    (``shift``, ``log_sums``: sums per 128-column tile, the same on every shard).
+    pure-torch pass. ``shift``, ``log_sums``: the two phases of a shard on the
+    tile grid, with sums per 128-column tile (:mod:`.tile_sums`).
     """
+    if shift is not None and dtype == torch.float32:
+        if log_sums is None:
+            s_z, _ = tile_sums(logits, None, None, temperature, real, shift[0], NONE)
+            s_r, _ = tile_sums(ref_logits, None, None, temperature, real, shift[1], NONE)
+            return s_z, s_r
+        return (kl_tile_sums(logits, ref_logits, temperature, real, shift, log_sums),)
     if shift is not None:
         return torch_kl_stats(
             logits, ref_logits, temperature, real, chunk, dtype, shift=shift, log_sums=log_sums

@@ -7,11 +7,8 @@ reads each label's logit. Reads ``M × real`` logits (any float dtype and
 strides), writes ``3·M + M·K`` fp32 numbers; same signature and results as
 :func:`rlmath.engine.torch_backend.logits_forward.logits_stats`.
 
-With ``shift`` (a vocabulary shard on the tile grid) a second kernel sums
-each 128-column tile on its own, shifted by the rows' global max: a tile's
-sums depend on its 128 logits and that max alone (a fixed block of
-:data:`TILES` tiles per program, whatever the shard), so the engine's fixed
-tree over the tiles gives every tensor-parallel degree the same bits.
+With ``shift`` (a vocabulary shard on the tile grid) the sums come per
+128-column tile instead (:mod:`.tile_sums`), for the engine's fixed tree.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from rlmath.engine.torch_backend.buffers import TemperatureColumn
 from rlmath.engine.torch_backend.logits_forward import kept_thresholds, label_logits
 from rlmath.engine.torch_backend.logits_forward import logits_stats as torch_logits_stats
 from rlmath.engine.torch_backend.rows import RowSource
-from rlmath.engine.tree import TILE, tile_count
 from rlmath.engine.triton_backend.kept_math import (
     kept_args,
     kept_row_stats,
@@ -41,12 +37,8 @@ from rlmath.engine.triton_backend.launch import (
     row_layout,
     temperature_args,
 )
-from rlmath.engine.triton_backend.row_math import (
-    LS_FLOOR,
-    exp_ftz,
-    inv_temperature,
-    row_stats,
-)
+from rlmath.engine.triton_backend.row_math import inv_temperature, row_stats
+from rlmath.engine.triton_backend.tile_sums import ENTROPY, NONE, tile_sums
 
 if TYPE_CHECKING:
     from rlmath.engine.sampling import KeptSet
@@ -128,64 +120,6 @@ def _logits_stats_kernel(
             tl.store(Z_OUT + i * K + k, z)
 
 
-# Tiles summed by one program of the per-tile kernel: a constant, so that a tile's sums are
-# computed alike whatever the width of the shard it is in.
-TILES = 8
-
-
-@triton.jit
-def _tile_sums_kernel(
-    X,
-    OFF,
-    row_stride,
-    col_stride,
-    n,
-    n_load,
-    TEMP,
-    t_scalar,
-    SHIFT,
-    S_OUT,
-    T_OUT,
-    n_tiles,
-    HAS_OFF: tl.constexpr,
-    TEMP_MODE: tl.constexpr,
-    WANT_T: tl.constexpr,
-    PAD: tl.constexpr,
-    TILE_W: tl.constexpr,
-    N_TILES: tl.constexpr,
-):
-    """Row ``i``'s tiles ``[j·N_TILES, (j + 1)·N_TILES)``: ``Σ e^{z - M}`` and ``Σ e^{z - M}·(z - M)``.
-
-    ``z = x / T`` (correctly rounded, as the pure-torch passes and the
-    global max scale), ``M`` the row's global max (0 where it is ``-inf``: a
-    row without a finite logit sums to 0).
-    """
-    i = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    if HAS_OFF:
-        start = tl.load(OFF + i).to(tl.int64) * row_stride
-    else:
-        start = i * row_stride
-    T = t_scalar
-    if TEMP_MODE == 2:
-        T = tl.load(TEMP + i).to(tl.float32)
-    big = tl.load(SHIFT + i)
-    big = tl.where(big == float("-inf"), 0.0, big)
-    cols = j * (N_TILES * TILE_W) + tl.arange(0, N_TILES * TILE_W)
-    x = tl.load(X + start + cols * col_stride, mask=cols < n_load, other=float("-inf"))
-    x = x.to(tl.float32)
-    if PAD:
-        x = tl.where(cols < n, x, float("-inf"))
-    y = scaled(x, T, TEMP_MODE) - big
-    e = exp_ftz(y)
-    tiles = j * N_TILES + tl.arange(0, N_TILES)
-    keep = tiles < n_tiles
-    tl.store(S_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e, (N_TILES, TILE_W)), 1), mask=keep)
-    if WANT_T:
-        et = tl.reshape(e * tl.maximum(y, LS_FLOOR), (N_TILES, TILE_W))
-        tl.store(T_OUT + i * n_tiles + tiles, tl.sum(et, 1), mask=keep)
-
-
 def _tile_stats(
     logits: torch.Tensor,
     row_index: torch.Tensor | None,
@@ -198,50 +132,12 @@ def _tile_stats(
     shift: torch.Tensor,
 ) -> Stats:
     """:func:`logits_stats` with ``shift``: ``(shift, s, t, z)``, ``s`` and ``t`` per tile ``(M, n)``."""
-    dev = logits.device
     src = RowSource(logits, real, row_index, narrow)
-    temp_col = TemperatureColumn(temperature, dtype, dev)
+    temp_col = TemperatureColumn(temperature, dtype, logits.device)
     z = label_logits(src, labels, temp_col, dtype) if labels is not None else None
-    logits = int32_columns(logits)
-    off: torch.Tensor | None
-    if row_index is not None:
-        M = row_index.numel()
-        base, off, row_stride, col_stride = logits, row_index, logits.stride(0), logits.stride(1)
-    else:
-        view = logits.narrow(*narrow) if narrow is not None else logits
-        lay = row_layout(view)
-        M, base, off = lay.rows, view, lay.offsets
-        row_stride, col_stride = lay.stride, lay.col_stride
-    n = tile_count(real)
-    s = torch.zeros(M, n, dtype=dtype, device=dev)
-    t = torch.zeros(M, n, dtype=dtype, device=dev) if want_entropy else None
-    m = shift.to(dtype).clone()
-    if M == 0 or real == 0:
-        return m, s, t, z
-    temp, _, mode = temperature_args(temperature, m)
-    n_load = load_width(real, logits.shape[-1])
-    _tile_sums_kernel[(M, triton.cdiv(n, TILES))](
-        base,
-        off if off is not None else m,
-        row_stride,
-        col_stride,
-        real,
-        n_load,
-        temp,
-        temperature_value(temperature),
-        m,
-        s,
-        t if t is not None else s,
-        n,
-        HAS_OFF=off is not None,
-        TEMP_MODE=mode,
-        WANT_T=want_entropy,
-        PAD=n_load > real,
-        TILE_W=TILE,
-        N_TILES=TILES,
-        num_warps=4,
-    )
-    return m, s, t, z
+    second = ENTROPY if want_entropy else NONE
+    s, t = tile_sums(logits, row_index, narrow, temperature, real, shift, second)
+    return shift.to(dtype).clone(), s, t, z
 
 
 @on_input_device

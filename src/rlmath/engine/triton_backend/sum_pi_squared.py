@@ -22,6 +22,7 @@ from rlmath.engine.triton_backend.launch import (
     temperature_args,
 )
 from rlmath.engine.triton_backend.row_math import exp_ftz, inv_temperature
+from rlmath.engine.triton_backend.tile_sums import SQUARES, tile_sums
 
 __all__ = ["pi_squared_stats"]
 
@@ -87,12 +88,16 @@ def pi_squared_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(m, s, u)`` per row; ``Σ π² = u / s²`` (``m = -inf, s = u = 0`` without a finite logit).
 
-    ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass, and
-    so does a shard on the tile grid (``shift``: sums per 128-column tile,
-    the pure-torch pass's, the same on every shard).
+    ``chunk`` is not used. An fp64 compute dtype runs the pure-torch pass.
+    ``shift``: ``(N,)`` the rows' max over every vocabulary shard; ``s`` and
+    ``u`` then come per 128-column tile (:func:`.tile_sums.tile_sums`).
     """
-    if dtype != torch.float32 or shift is not None:
+    if dtype != torch.float32:
         return torch_pi_squared(logits, temperature, real, chunk, dtype, shift=shift)
+    if shift is not None:
+        s_tiles, u_tiles = tile_sums(logits, None, None, temperature, real, shift, SQUARES)
+        assert u_tiles is not None
+        return shift.to(dtype).clone(), s_tiles, u_tiles
     dev = logits.device
     logits = int32_columns(logits)
     lay = row_layout(logits)
