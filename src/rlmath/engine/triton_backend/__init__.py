@@ -6,8 +6,9 @@ package raises :class:`ImportError`, and the backend is then reported
 unavailable with that reason. One module per pass, with the signatures and
 results of the pure-torch ones: ``logits_forward``, ``logits_backward``,
 ``kl_forward``, ``kl_backward``, ``head_forward``, ``head_backward``,
-``sum_pi_squared`` and ``tile_sums`` (a vocabulary shard on the tile grid), over the shared ``row_math`` (jit helpers), ``launch``
-(block sizes, rows, temperatures), ``kept_math`` (a sampler's kept set in
+``sum_pi_squared`` and ``tile_sums`` (a vocabulary shard on the tile grid),
+over the shared ``row_math`` (jit helpers), ``launch`` (block sizes, rows,
+temperatures), ``kept_math`` (a sampler's kept set in
 the logits passes; its threshold search is the pure-torch one, run on the
 logits' device) and ``head_blocks`` (the head's blocks).
 

@@ -120,26 +120,6 @@ def _logits_stats_kernel(
             tl.store(Z_OUT + i * K + k, z)
 
 
-def _tile_stats(
-    logits: torch.Tensor,
-    row_index: torch.Tensor | None,
-    narrow: tuple[int, int, int] | None,
-    labels: torch.Tensor | None,
-    temperature: torch.Tensor | float | None,
-    want_entropy: bool,
-    real: int,
-    dtype: torch.dtype,
-    shift: torch.Tensor,
-) -> Stats:
-    """:func:`logits_stats` with ``shift``: ``(shift, s, t, z)``, ``s`` and ``t`` per tile ``(M, n)``."""
-    src = RowSource(logits, real, row_index, narrow)
-    temp_col = TemperatureColumn(temperature, dtype, logits.device)
-    z = label_logits(src, labels, temp_col, dtype) if labels is not None else None
-    second = ENTROPY if want_entropy else NONE
-    s, t = tile_sums(logits, row_index, narrow, temperature, real, shift, second)
-    return shift.to(dtype).clone(), s, t, z
-
-
 @on_input_device
 def logits_stats(
     logits: torch.Tensor,
@@ -161,18 +141,21 @@ def logits_stats(
     threshold search of a kept set (``restrict``: pure torch, chunk by chunk,
     before the kernel; :mod:`.kept_math`). An fp64 compute dtype runs the
     pure-torch pass. ``shift``: ``(M,)`` the rows' max over every vocabulary
-    shard; the sums come back per 128-column tile (:func:`_tile_stats`; a
-    kept set's, and an fp64 pass's, from the pure-torch pass).
+    shard; the sums come back per 128-column tile (:func:`.tile_sums.tile_sums`;
+    a kept set's, and an fp64 pass's, from the pure-torch pass).
     """
     if dtype != torch.float32 or (shift is not None and restrict is not None):
         return torch_logits_stats(
             logits, row_index, narrow, labels, temperature, want_entropy, real, chunk, dtype,
             restrict=restrict, shift=shift,
         )  # fmt: skip
-    if shift is not None:
-        return _tile_stats(
-            logits, row_index, narrow, labels, temperature, want_entropy, real, dtype, shift
-        )
+    if shift is not None:  # the label logits as the pure-torch pass reads them
+        src = RowSource(logits, real, row_index, narrow)
+        temp_col = TemperatureColumn(temperature, dtype, logits.device)
+        z = label_logits(src, labels, temp_col, dtype) if labels is not None else None
+        second = ENTROPY if want_entropy else NONE
+        s, t = tile_sums(logits, row_index, narrow, temperature, real, shift, second)
+        return shift.to(dtype).clone(), s, t, z
     if restrict is not None and (
         (restrict.kept is None and restrict.forward) or restrict.count is not None
     ):

@@ -44,6 +44,25 @@ NONE, ENTROPY, SQUARES = 0, 1, 2
 
 
 @triton.jit
+def _row_start(OFF, i, row_stride, HAS_OFF: tl.constexpr):
+    """The offset of row ``i``: ``OFF[i]`` rows in (rows picked by index), else ``i``."""
+    if HAS_OFF:
+        start = tl.load(OFF + i).to(tl.int64) * row_stride
+    else:
+        start = i * row_stride
+    return start
+
+
+@triton.jit
+def _row_temperature(TEMP, i, t_scalar, TEMP_MODE: tl.constexpr):
+    """Row ``i``'s temperature: its entry of ``TEMP`` (mode 2), else the scalar."""
+    T = t_scalar
+    if TEMP_MODE == 2:
+        T = tl.load(TEMP + i).to(tl.float32)
+    return T
+
+
+@triton.jit
 def _shifted_block(
     X,
     start,
@@ -89,13 +108,8 @@ def _tile_sums_kernel(
 ):
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    if HAS_OFF:
-        start = tl.load(OFF + i).to(tl.int64) * row_stride
-    else:
-        start = i * row_stride
-    T = t_scalar
-    if TEMP_MODE == 2:
-        T = tl.load(TEMP + i).to(tl.float32)
+    start = _row_start(OFF, i, row_stride, HAS_OFF)
+    T = _row_temperature(TEMP, i, t_scalar, TEMP_MODE)
     big = tl.load(SHIFT + i)
     y = _shifted_block(X, start, col_stride, n, n_load, T, big, j, TEMP_MODE, PAD, N_TILES * TILE_W)
     e = exp_ftz(y)
@@ -140,17 +154,9 @@ def _kl_tile_kernel(
 ):
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    if Z_HAS_OFF:
-        z_start = tl.load(Z_OFF + i).to(tl.int64) * z_row_stride
-    else:
-        z_start = i * z_row_stride
-    if R_HAS_OFF:
-        r_start = tl.load(R_OFF + i).to(tl.int64) * r_row_stride
-    else:
-        r_start = i * r_row_stride
-    T = t_scalar
-    if TEMP_MODE == 2:
-        T = tl.load(TEMP + i).to(tl.float32)
+    z_start = _row_start(Z_OFF, i, z_row_stride, Z_HAS_OFF)
+    r_start = _row_start(R_OFF, i, r_row_stride, R_HAS_OFF)
+    T = _row_temperature(TEMP, i, t_scalar, TEMP_MODE)
     yz = _shifted_block(XZ, z_start, z_col_stride, n, n_load, T, tl.load(SHIFT_Z + i), j,
                         TEMP_MODE, PAD, N_TILES * TILE_W)  # fmt: skip
     yr = _shifted_block(XR, r_start, r_col_stride, n, n_load, T, tl.load(SHIFT_R + i), j,
