@@ -34,9 +34,12 @@ from rlmath.log_probs import (
 MODULES = (logits_forward, kl_forward, sum_pi_squared)
 
 
-def _row_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
-    """One "tile" per row: the plain row sum."""
-    return x.nansum(-1, keepdim=True) if nan else x.sum(-1, keepdim=True)
+def _row_sums(
+    x: torch.Tensor, *, nan: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One "tile" per row: the plain row sum (into ``out`` when given, as ``tile_sums``)."""
+    sums = x.nansum(-1, keepdim=True) if nan else x.sum(-1, keepdim=True)
+    return sums if out is None else out.copy_(sums)
 
 
 PATCHES = {

@@ -102,6 +102,33 @@ def test_a_kept_tree_adds_as_the_tree_built_each_call(c, n, k, seed):
     assert torch.equal(kept_y, built_y)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    columns=st.integers(1, 2000),
+    k=st.integers(1, 2),
+    nan=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_run_of_tile_sums_written_in_place_adds_as_the_tree(rows, columns, k, nan, seed):
+    # A pass's chunks write their tile sums into a run buffer (padded to a power of
+    # two, k sums outermost) and the run adds them there: the bits of tile_sums + fold.
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, columns, generator=g) for _ in range(k)]
+    if nan:  # the 0·(-inf) products a NaN-skipping sum drops
+        xs[0][0, columns // 2] = float("nan")
+    n = tree.tile_count(columns)
+    run = tree.TileRun(rows, n, k, torch.float32, torch.device("cpu"))
+    cut = rows // 2  # two chunks
+    for s, x in enumerate(xs):
+        for a, b in ((0, cut), (cut, rows)):
+            got = tree.tile_sums(x[a:b], nan=nan, out=run.slot(s, a, b))
+            assert torch.equal(got, tree.tile_sums(x[a:b], nan=nan))
+    expected = tree.fold(torch.stack([tree.tile_sums(x, nan=nan) for x in xs], -1))
+    assert torch.equal(run.fold(), expected.T)
+    assert not run.fold().isnan().any() or not nan
+
+
 def test_a_kept_tree_made_in_inference_mode_serves_calls_outside_it():
     x = torch.rand(3, 37, 2, dtype=torch.float64)
     buffers.release_kept()

@@ -25,17 +25,21 @@ the chunk or the thread count.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlmath import _device
 
 __all__ = [
     "TILE",
+    "TileRun",
     "evaluate",
     "fold",
     "level_counts",
     "local_nodes",
     "node_plan",
+    "padded_tiles",
     "tile_sums",
 ]
 
@@ -51,11 +55,15 @@ def tile_count(columns: int) -> int:
     return -(-columns // TILE)
 
 
-def tile_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
+def tile_sums(
+    x: torch.Tensor, *, nan: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-tile row sums of ``x``, whose column 0 is the first column of a tile.
 
     Shape: ``(c, R)`` → ``(c, ceil(R / TILE))``, dtype of ``x``. ``nan``: skip
-    NaN entries (the ``0·(-inf)`` products of a masked vocabulary).
+    NaN entries (the ``0·(-inf)`` products of a masked vocabulary). ``out``:
+    where to write them (a ``(c, ceil(R / TILE))`` view whose last dim is
+    contiguous, e.g. :meth:`TileRun.slot`); the sums are the same bits.
 
     ATen's NaN-skipping sum runs the same cascade as its plain sum (the same
     bits wherever there is no NaN) but slower over 128-column tiles (79
@@ -64,26 +72,75 @@ def tile_sums(x: torch.Tensor, *, nan: bool = False) -> torch.Tensor:
     NaN-skipping one only for a chunk whose sums hold a NaN.
     """
     if nan and _device.reads_host(x.device):
-        sums = _tile_sums(x, nan=False)
-        if not bool(sums.isnan().any()):
+        sums = _tile_sums(x, nan=False, out=out)
+        # One reduction and one read: a NaN among the sums makes their total NaN (so does
+        # +inf beside -inf, where the NaN-skipping sum gives the same bits anyway).
+        if not math.isnan(float(sums.sum())):
             return sums
-    return _tile_sums(x, nan=nan)
+    return _tile_sums(x, nan=nan, out=out)
 
 
-def _tile_sums(x: torch.Tensor, *, nan: bool) -> torch.Tensor:
+def _tile_sums(x: torch.Tensor, *, nan: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     c, r = x.shape
     full = r // TILE
-    parts = []
+    if out is None:
+        out = x.new_empty(c, tile_count(r))
     if full:
         whole = x if full * TILE == r else x.narrow(-1, 0, full * TILE)
-        tiles = whole.unflatten(-1, (full, TILE))
-        parts.append(tiles.nansum(-1) if nan else tiles.sum(-1))
+        tiles = (
+            whole.view(c, full, TILE)
+            if whole.is_contiguous()
+            else whole.unflatten(-1, (full, TILE))
+        )
+        dst = out if full == out.shape[1] else out.narrow(-1, 0, full)
+        if nan:
+            torch.nansum(tiles, -1, out=dst)
+        else:
+            torch.sum(tiles, -1, out=dst)
     if r % TILE:
         tail = x.narrow(-1, full * TILE, r - full * TILE)
-        parts.append(tail.nansum(-1, keepdim=True) if nan else tail.sum(-1, keepdim=True))
-    if not parts:
-        return x.new_zeros(c, 0)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+        dst = out.narrow(-1, full, 1)
+        if nan:
+            torch.nansum(tail, -1, keepdim=True, out=dst)
+        else:
+            torch.sum(tail, -1, keepdim=True, out=dst)
+    return out
+
+
+class TileRun:
+    """The per-tile sums of a run of rows, kept until each row's tiles are added in the tree.
+
+    Laid out ``(k, rows, width)``, ``k`` sums per tile, ``width`` the tile count
+    padded with ``+0.0`` to a power of two (the padding of :func:`fold`). A
+    chunk of the run writes its tile sums in place (:meth:`slot`, the ``out=``
+    of :func:`tile_sums`: no copy), and :meth:`fold` adds every row's tiles
+    level by level for all ``k · rows`` rows at once: the additions of
+    :func:`fold`, on rows whose pairs lie next to each other in memory.
+    """
+
+    def __init__(self, rows: int, tiles: int, k: int, dtype: torch.dtype, device: torch.device):
+        self.tiles = tiles
+        width = padded_tiles(tiles)
+        self.buf = torch.zeros(k, rows, width, dtype=dtype, device=device)
+
+    def slot(self, s: int, start: int, end: int) -> torch.Tensor:
+        """Where rows ``[start, end)`` of the run write their tile sums of sum ``s``: ``(c, tiles)``."""
+        return self.buf[s, start:end, : self.tiles]
+
+    def fold(self) -> torch.Tensor:
+        """The root of every row's tree: ``(k, rows)``."""
+        k, rows, width = self.buf.shape
+        x = self.buf.view(k * rows, width)
+        while width > 1:
+            width //= 2
+            left, right = x.view(k * rows, width, 2).unbind(2)
+            x = left + right
+        return x.view(k, rows)
+
+
+def padded_tiles(tiles: int) -> int:
+    """``tiles`` padded to a power of two: the leaves of the tree (at least 1)."""
+    return 1 << (tiles - 1).bit_length() if tiles > 1 else 1
 
 
 def level_counts(total: int) -> list[int]:

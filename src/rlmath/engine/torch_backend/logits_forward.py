@@ -27,7 +27,7 @@ from rlmath.engine.torch_backend.buffers import (
 )
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift, upcast, upcasts_first
 from rlmath.engine.torch_backend.rows import RowSource
-from rlmath.engine.tree import tile_count, tile_sums
+from rlmath.engine.tree import TileRun, padded_tiles, tile_count, tile_sums
 
 if TYPE_CHECKING:
     from rlmath.engine.sampling import KeptSet
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+TileSlots = tuple[torch.Tensor, torch.Tensor | None] | None
 
 
 def chunk_stats(
@@ -52,6 +53,7 @@ def chunk_stats(
     temperature: torch.Tensor | None = None,
     entropy: bool = False,
     shift: torch.Tensor | None = None,
+    out: TileSlots = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Unnormalized per-row statistics of one ``(c, V)`` chunk of raw logits.
 
@@ -69,8 +71,10 @@ def chunk_stats(
         entropy: also compute ``t``.
         shift: ``(c, 1)``: the max to shift by (the row's max over every shard
             of the vocabulary) instead of this chunk's own.
+        out: where to write ``s`` and ``t`` (:meth:`rlmath.engine.tree.TileRun.slot`).
     """
     c = src.shape[0]
+    out_s, out_t = out or (None, None)
     y = ws.get("y", c)
     if shift is None and upcasts_first(src, ws.dtype):
         src = upcast(src, y)  # the max and the shift read the fp32 copy
@@ -79,10 +83,10 @@ def chunk_stats(
     t: torch.Tensor | None = None
     if entropy:
         e = torch.exp(y, out=ws.get("e", c))
-        s = tile_sums(e)
-        t = tile_sums(e.mul_(y), nan=True)
+        s = tile_sums(e, out=out_s)
+        t = tile_sums(e.mul_(y), nan=True, out=out_t)
     else:
-        s = tile_sums(y.exp_())
+        s = tile_sums(y.exp_(), out=out_s)
     return m.squeeze(-1), s, t
 
 
@@ -95,6 +99,7 @@ def kept_chunk_stats(
     e: torch.Tensor | None = None,
     shift: torch.Tensor | None = None,
     row_max: torch.Tensor | None = None,
+    out: TileSlots = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`chunk_stats` of the softmax restricted to ``keep`` (a sampler's kept set).
 
@@ -107,8 +112,10 @@ def kept_chunk_stats(
     ``shift``: ``(c, 1)`` the rows' max over every vocabulary shard, to shift by
     instead of the max of these columns (then ``e`` is not given). ``row_max``:
     ``(c, 1)`` the max of ``z``'s rows when the search found it (with ``e``).
+    ``out``: where to write the tile sums, as in :func:`chunk_stats`.
     """
     c = z.shape[0]
+    out_s, out_t = out or (None, None)
     if shift is not None:
         m = shift
     else:
@@ -119,8 +126,8 @@ def kept_chunk_stats(
         y = torch.sub(z, m, out=ws.get("y", c))
         e = torch.exp(y, out=ws.get("e", c))
     e.mul_(keep)
-    s = tile_sums(e)
-    t = tile_sums(e.mul_(y), nan=True) if entropy else None
+    s = tile_sums(e, out=out_s)
+    t = tile_sums(e.mul_(y), nan=True, out=out_t) if entropy else None
     return m.squeeze(-1), s, t
 
 
@@ -223,19 +230,22 @@ def logits_stats(
     chunk = chunk or auto_chunk_size(real, M, device=dev)
     temp = TemperatureColumn(temperature, dtype, dev)
     k = 2 if want_entropy else 1
-    groups = fold_groups(list(src.ranges(chunk)), tile_count(real), k)
+    groups = fold_groups(list(src.ranges(chunk)), padded_tiles(tile_count(real)), k)
 
     def one_group(i: int, _: int, ws: Workspace) -> None:
         g0, g1 = groups[i][0][0], groups[i][-1][1]
         # Each row's tiles are added up once its run of chunks is done: no
         # per-tile arrays of all rows, and the tree's ops once per run.
-        tiles: torch.Tensor | None = None
+        run = None if per_tile else TileRun(g1 - g0, tile_count(real), k, dtype, dev)
         for a, b in groups[i]:
+            out: TileSlots = None
+            if run is not None:
+                out = (run.slot(0, a - g0, b - g0), run.slot(1, a - g0, b - g0) if k == 2 else None)
             if restrict is not None:
                 z, keep, e, row_max = restrict.chunk(a, b, src.rows(a, b, ws), temp.rows(a, b), ws)
                 cm, cs, ct = kept_chunk_stats(
                     z, keep, ws, entropy=want_entropy, e=e, row_max=row_max,
-                    shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+                    shift=shift[a:b].unsqueeze(-1) if shift is not None else None, out=out,
                 )  # fmt: skip
             else:
                 cm, cs, ct = chunk_stats(
@@ -244,23 +254,18 @@ def logits_stats(
                     temperature=temp.rows(a, b),
                     entropy=want_entropy,
                     shift=shift[a:b].unsqueeze(-1) if shift is not None else None,
+                    out=out,
                 )
             m[a:b] = cm
             if per_tile:
                 s[a:b] = cs
                 if t is not None and ct is not None:
                     t[a:b] = ct
-                continue
-            if tiles is None:
-                tiles = torch.empty(g1 - g0, cs.shape[1], k, dtype=dtype, device=dev)
-            tiles[a - g0 : b - g0, :, 0] = cs
-            if ct is not None:
-                tiles[a - g0 : b - g0, :, 1] = ct
-        if tiles is not None:
-            sums = fold_tiles(tiles)
-            s[g0:g1] = sums[:, 0]
+        if run is not None:
+            sums = run.fold()
+            s[g0:g1] = sums[0]
             if t is not None:
-                t[g0:g1] = sums[:, 1]
+                t[g0:g1] = sums[1]
 
     runs = [(i, i + 1) for i in range(len(groups))]
     run_chunks(runs, one_group, lambda: Workspace(min(chunk, M), real, dtype, dev), dev)

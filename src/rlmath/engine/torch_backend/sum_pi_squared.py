@@ -10,11 +10,10 @@ from rlmath.engine.torch_backend.buffers import (
     Temperature,
     TemperatureColumn,
     Workspace,
-    fold_tiles,
 )
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
-from rlmath.engine.tree import tile_count, tile_sums
+from rlmath.engine.tree import TileRun, padded_tiles, tile_count, tile_sums
 
 __all__ = ["pi_squared_stats"]
 
@@ -49,28 +48,26 @@ def pi_squared_stats(
     lay = RowBlocks(real_columns(logits, real))
     temp = TemperatureColumn(temperature, dtype, dev)
     n = tile_count(real)
-    groups = fold_groups(list(chunk_ranges(N, chunk, lay)), n, 2)
+    groups = fold_groups(list(chunk_ranges(N, chunk, lay)), padded_tiles(n), 2)
 
     def one_group(i: int, _: int, ws: Workspace) -> None:
         g0, g1 = groups[i][0][0], groups[i][-1][1]
-        tiles: torch.Tensor | None = None
+        # Each row's tiles are added up once its run of chunks is done.
+        run = None if per_tile else TileRun(g1 - g0, n, 2, dtype, dev)
         for a, b in groups[i]:
             src, t = lay.get(a, b), temp.rows(a, b)
             cm = scaled_max(src, t, dtype) if shift is None else shift[a:b].unsqueeze(-1)
             e = scaled_shift(src, t, torch.where(cm == float("-inf"), 0, cm), ws.get("y", b - a))
             e.exp_()
-            cs = tile_sums(e)
-            cu = tile_sums(e.mul_(e))
             m[a:b] = cm.squeeze(-1)
-            if per_tile:
-                s[a:b], u[a:b] = cs, cu
-                continue
-            if tiles is None:
-                tiles = torch.empty(g1 - g0, cs.shape[1], 2, dtype=dtype, device=dev)
-            tiles[a - g0 : b - g0, :, 0], tiles[a - g0 : b - g0, :, 1] = cs, cu
-        if tiles is not None:  # each row's tiles added up once its run of chunks is done
-            sums = fold_tiles(tiles)
-            s[g0:g1], u[g0:g1] = sums[:, 0], sums[:, 1]
+            if run is None:
+                s[a:b] = tile_sums(e)
+                u[a:b] = tile_sums(e.mul_(e))
+            else:
+                tile_sums(e, out=run.slot(0, a - g0, b - g0))
+                tile_sums(e.mul_(e), out=run.slot(1, a - g0, b - g0))
+        if run is not None:
+            s[g0:g1], u[g0:g1] = run.fold()
 
     runs = [(i, i + 1) for i in range(len(groups))]
     run_chunks(runs, one_group, lambda: Workspace(min(chunk, N), real, dtype, dev), dev)
