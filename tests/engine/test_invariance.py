@@ -129,6 +129,30 @@ def test_a_run_of_tile_sums_written_in_place_adds_as_the_tree(rows, columns, k, 
     assert not run.fold().isnan().any() or not nan
 
 
+@pytest.mark.parametrize("columns", [1, 200, 4096])
+def test_the_kl_sums_written_into_kept_trees_equal_the_sums_folded_apart(monkeypatch, columns):
+    # chunk_kl writes its tile sums into this thread's kept trees (both sums of
+    # exponentials in one tree of 2c rows); without kept trees it folds each sum apart.
+    from rlmath.engine.torch_backend import kl_forward
+    from rlmath.engine.torch_backend.buffers import Workspace
+
+    g = torch.Generator().manual_seed(columns)
+    z, r = (torch.randn(6, columns, generator=g) * 3 for _ in range(2))
+    z[0, : columns // 2] = float("-inf")
+    r[0, : columns // 2] = float("-inf")
+
+    def run():
+        ws = Workspace(6, columns, torch.float32, torch.device("cpu"))
+        return kl_forward.chunk_kl(z, r, ws, None)
+
+    kept = run()
+    assert kl_forward._kept_tree(torch.empty(6, columns), 12) is not None
+    monkeypatch.setattr(kl_forward, "tree_for", lambda *a: None)
+    apart = run()
+    for a, b in zip(kept, apart, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_kept_tree_made_in_inference_mode_serves_calls_outside_it():
     x = torch.rand(3, 37, 2, dtype=torch.float64)
     buffers.release_kept()

@@ -44,6 +44,7 @@ __all__ = [
     "fold_tiles",
     "held_bytes",
     "kept_tree",
+    "tree_for",
 ]
 
 #: The most scratch memory kept between passes on a CPU, all threads together, in bytes.
@@ -319,6 +320,10 @@ class _Tree:
 
     def fold(self, x: torch.Tensor) -> torch.Tensor:
         self.leaves.copy_(x)
+        return self.fold_leaves()
+
+    def fold_leaves(self) -> torch.Tensor:
+        """The root ``(c, k)`` of what :attr:`leaves` holds (written there in place)."""
         for left, right, out in self.steps:
             torch.add(left, right, out=out)
         return self.root.clone()
@@ -330,22 +335,35 @@ def kept_tree(x: torch.Tensor) -> _Tree | None:
     Only for plain CPU tensors outside dispatch modes and transforms (which
     must see every allocation, or hold tensors of their own), and small trees.
     """
+    if type(x) is not torch.Tensor:
+        return None
     c, n, k = x.shape
+    return tree_for(c, n, k, x.dtype, x.device)
+
+
+def tree_for(c: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> _Tree | None:
+    """This thread's kept :class:`_Tree` for ``(c, n, k)`` tile sums, or ``None`` (not kept).
+
+    A pass can write its tile sums into the tree's ``leaves`` (``(c, n, k)``; with
+    ``k = 1`` each row's tiles are contiguous) and add them with
+    :meth:`_Tree.fold_leaves`, without a copy.
+    """
+    if n == 0:
+        return None
     width = 1 << (n - 1).bit_length()
     if (
-        type(x) is not torch.Tensor
-        or c * (2 * width - 1) * k > _KEPT_TREE_ENTRIES
-        or not _pooled(x.device)
+        c * (2 * width - 1) * k > _KEPT_TREE_ENTRIES
+        or not _pooled(device)
         or torch._C._are_functorch_transforms_active()
     ):
         return None
     trees = _pool.kept.trees
-    key = (c, n, k, x.dtype)
+    key = (c, n, k, dtype)
     tree = trees.get(key)
     if tree is None:
         if len(trees) >= _KEPT_TREES:
             del trees[next(iter(trees))]  # the oldest
-        tree = trees[key] = _Tree(c, n, k, x.dtype, x.device)
+        tree = trees[key] = _Tree(c, n, k, dtype, device)
     return tree
 
 

@@ -23,7 +23,9 @@ from rlmath.engine.torch_backend.buffers import (
     Temperature,
     TemperatureColumn,
     Workspace,
+    _Tree,
     fold_tiles,
+    tree_for,
 )
 from rlmath.engine.torch_backend.reductions import scaled_max, scaled_shift
 from rlmath.engine.torch_backend.rows import RowBlocks, chunk_ranges, real_columns
@@ -56,17 +58,41 @@ def chunk_kl(
     mz = scaled_max(src_z, temperature, ws.dtype)
     mr = scaled_max(src_r, temperature, ws.dtype)
     yr = scaled_shift(src_r, temperature, torch.where(mr == NEG_INF, 0, mr), ws.get("yr", c))
-    log_sr = _tree_sum(torch.exp(yr, out=e)).log()
+    # Both sums of exponentials go to one tree of 2c rows (the same bits as two).
+    pair = _kept_tree(e, 2 * c)
+    if pair is None:
+        log_sr = _tree_sum(torch.exp(yr, out=e)).log()
+    else:
+        tile_sums(torch.exp(yr, out=e), out=pair.leaves[c:, :, 0])
     yz = scaled_shift(src_z, temperature, torch.where(mz == NEG_INF, 0, mz), ws.get("y", c))
-    sz = _tree_sum(torch.exp(yz, out=e))
+    if pair is None:
+        sz = _tree_sum(torch.exp(yz, out=e))
+    else:
+        tile_sums(torch.exp(yz, out=e), out=pair.leaves[:c, :, 0])
+        sums = pair.fold_leaves()[:, 0]
+        sz, log_sr = sums[:c], sums[c:].log()
     log_sz = sz.log()
     kl = _tree_sum(_weighted_difference(e, yz, yr, log_sz, log_sr), nan=True).div_(sz)
     return kl, mz.squeeze(-1), log_sz, mr.squeeze(-1), log_sr
 
 
+def _kept_tree(x: torch.Tensor, rows: int) -> _Tree | None:
+    """This thread's kept tree for ``rows`` rows of ``x``'s tiles, when one is kept."""
+    if type(x) is not torch.Tensor:
+        return None
+    return tree_for(rows, tile_count(x.shape[1]), 1, x.dtype, x.device)
+
+
 def _tree_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
-    """Row sums of a ``(c, V)`` chunk in the fixed order: tiles, then the tree."""
-    return fold_tiles(tile_sums(x, nan=nan).unsqueeze(-1))[:, 0]
+    """Row sums of a ``(c, V)`` chunk in the fixed order: tiles, then the tree.
+
+    The tile sums are written straight into the leaves of a kept tree where there is one.
+    """
+    tree = _kept_tree(x, x.shape[0])
+    if tree is None:
+        return fold_tiles(tile_sums(x, nan=nan).unsqueeze(-1))[:, 0]
+    tile_sums(x, nan=nan, out=tree.leaves[:, :, 0])
+    return tree.fold_leaves()[:, 0]
 
 
 def _weighted_difference(
