@@ -75,7 +75,7 @@ def _masses(z: torch.Tensor, base: torch.Tensor | None, ws: Workspace) -> torch.
     w = torch.exp(ws.get("ky", c), out=ws.get("kw", c))
     torch.threshold_(w, _FLOOR, 0.0)
     if base is not None:
-        w.mul_(z >= base)
+        w.mul_(torch.ge(z, base, out=ws.get("kg", c)))  # a float 0/1 mask: faster on CPUs
     return ws.get("kd", c, torch.float64).copy_(w)
 
 
