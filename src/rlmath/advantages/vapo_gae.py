@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlmath._threads import threads_per_call
-from rlmath._validation import check_in_range, result_dtype
+from rlmath._validation import check_in_range, result_dtype, valid_mask
 from rlmath.advantages._common import (
     ValidTokens,
     as_unit_scalar,
@@ -55,7 +55,7 @@ def length_adaptive_lambda(
     alpha = check_in_range(
         "length_adaptive_alpha", length_adaptive_alpha, 0.0, None, low_inclusive=False
     )
-    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    valid = valid_mask(response_mask)
     return _adaptive(valid_counts(valid), alpha)
 
 
