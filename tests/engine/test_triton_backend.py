@@ -371,6 +371,45 @@ def _tile_grid_data() -> dict[str, object]:
     return {"x": x, "ref": ref, "labels": labels, "gl": gl, "ge": ge, "temps": temps}
 
 
+def _grid_kept_ids() -> torch.Tensor:
+    """A replayed kept set as global token ids, padded with -1: every third token, per row."""
+    ids = torch.arange(0, _GRID_REAL, 3).expand(_GRID_N, -1).clone()
+    ids[1, 40:] = -1
+    return ids
+
+
+def _kept_sets_over_the_grid(x, labels, temp, kw, patched=True) -> list[torch.Tensor]:
+    """Log-probs, entropy and the log-probs' gradient under top-p, min-p, top-k + top-p and a
+    replayed kept set (bool mask and ids) on this rank's shard. ``patched``: fail if a kept
+    set's tile sums go to the pure-torch pass."""
+    from rlmath.engine.triton_backend import logits_forward as triton_forward
+
+    torch_pass = triton_forward.torch_logits_stats
+
+    def no_torch_pass(*args, restrict=None, shift=None, **kwargs):
+        assert restrict is None or shift is None, "a kept set's tile sums took the torch pass"
+        return torch_pass(*args, restrict=restrict, shift=shift, **kwargs)
+
+    ids = _grid_kept_ids()
+    mask = torch.zeros(_GRID_N, _GRID_REAL, dtype=torch.bool)  # over the vocab_size tokens
+    mask.scatter_(1, ids.clamp_min(0), ids >= 0)
+    cases = ({"top_p": 0.8}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.9}, {"kept": mask},
+             {"kept": ids})  # fmt: skip
+    got = []
+    if patched:
+        triton_forward.torch_logits_stats = no_torch_pass
+    try:
+        for case in cases:
+            leaf = x.clone().requires_grad_()
+            lp, ent = R.log_probs_and_entropy_from_logits(leaf, labels, temperature=temp, **case,
+                                                          **kw)  # fmt: skip
+            lp.nan_to_num(0.0).sum().backward()
+            got += [lp.detach(), ent.detach(), leaf.grad]
+    finally:
+        triton_forward.torch_logits_stats = torch_pass
+    return got
+
+
 def _tile_grid_worker() -> dict[str, list[torch.Tensor]]:
     """This rank's results over shards on the tile grid (2 or 4 ranks of equal width)."""
     import torch.distributed as dist
@@ -396,6 +435,12 @@ def _tile_grid_worker() -> dict[str, list[torch.Tensor]]:
         (kept * gl).sum().backward()
         out[name] = [lp.detach(), ent.detach(), kl.detach(), pi2, kept.detach()]
         out[name + " grads"] = [leaf.grad, kl_leaf.grad, kept_leaf.grad]
+    # Every form of kept set, its sums per tile in the kernel (not the pure-torch pass).
+    out["kept sets"] = _kept_sets_over_the_grid(x[:, cols], labels, d["temps"]["T per row"], kw)
+    torch_kw = {**kw, "backend": "torch"}
+    out["kept sets, torch"] = _kept_sets_over_the_grid(
+        x[:, cols], labels, d["temps"]["T per row"], torch_kw, patched=False
+    )
     # Packed rows (the rows picked by index): two sequences of 4 and 2 tokens.
     ids = labels.clamp_min(0)
     input_ids, mask = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
@@ -414,19 +459,28 @@ def test_shards_on_the_tile_grid_give_the_same_bits_on_2_and_4_ranks():
     from rlmath.distributed import run_distributed
 
     worlds = {w: run_distributed(_tile_grid_worker, w) for w in (2, 4)}
-    want = {}  # the whole gradient from the two ranks of the 2-rank run
+
+    # Gradients (every entry of "... grads", every third of "kept sets") are per column.
+    def per_column(key: str, i: int) -> bool:
+        return key.endswith("grads") or (key.startswith("kept sets") and i % 3 == 2)
+
+    want = {}  # the whole gradient from the ranks of the 2-rank run
     for key in worlds[2][0]:
         parts = [r[key] for r in worlds[2]]
-        want[key] = [torch.cat(p, 1) for p in zip(*parts, strict=True)] if key.endswith(
-            "grads") else parts[0]  # fmt: skip
+        want[key] = [torch.cat(p, 1) if per_column(key, i) else p[0]
+                     for i, p in enumerate(zip(*parts, strict=True))]  # fmt: skip
     for w, ranks in worlds.items():
         width = _GRID_V // w
         for rank, got in enumerate(ranks):
             for key, values in got.items():
-                for a, b in zip(values, want[key], strict=True):
-                    if key.endswith("grads"):  # this rank's columns
+                for i, (a, b) in enumerate(zip(values, want[key], strict=True)):
+                    if per_column(key, i):  # this rank's columns
                         b = b[:, rank * width : (rank + 1) * width]
-                    assert torch.equal(a, b), (w, rank, key)
+                    assert torch.equal(a, b), (w, rank, key, i)
+    # The kept sets' kernel sums against the pure-torch pass over the same shards (each
+    # checked against fp64 in its own tests): within fp32 rounding.
+    for a, b in zip(want["kept sets"], want["kept sets, torch"], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     d = _tile_grid_data()
     x, ref, real = d["x"][:, :_GRID_REAL], d["ref"][:, :_GRID_REAL], _GRID_REAL
     for name, temp in d["temps"].items():
@@ -443,6 +497,52 @@ def test_shards_on_the_tile_grid_give_the_same_bits_on_2_and_4_ranks():
         check(pi2, (p * p).sum(-1), 4 * row_delta(z) * (p * p).sum(-1), f"tile grid Σπ², {name}")
     for g in want["T = 1 grads"]:  # the padding columns get no gradient
         assert (g[:, real:] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["tau", "mask", "ids"])
+def test_kept_tile_sums_against_fp64_over_several_programs_per_row(mode):
+    """The per-tile kernel restricted to a kept set: each tile's sums against fp64, on rows of
+    three programs (1024 columns each), labels added to the kept set."""
+    from rlmath.engine.sampling import KeptSet
+    from rlmath.engine.triton_backend.tile_sums import ENTROPY, tile_sums
+
+    N, V = 4, 2500
+    g = gen(23)
+    x = torch.randn(N, V, generator=g) * 2
+    temp = torch.rand(N, generator=g) + 0.5
+    z = x / temp[:, None]  # the search's rounding: one fp32 division
+    shift = z.amax(-1)
+    labels = torch.randint(0, V, (N, 2), generator=g)
+    owned = torch.tensor([[True, True], [True, False], [False, False], [True, True]])
+    tau = torch.quantile(z, 0.995, dim=-1)  # a dozen tokens a row: some tiles keep none
+    keep = z >= tau[:, None]
+    kept = None
+    if mode != "tau":
+        keep = torch.rand(N, V, generator=g) < 0.005
+        ids = [row.nonzero().squeeze(-1) for row in keep]
+        width = max(len(r) for r in ids)
+        kept = keep if mode == "mask" else torch.stack(
+            [torch.cat([r, r.new_full((width - len(r),), -1)]) for r in ids])  # fmt: skip
+    restrict = KeptSet(
+        "kept" if kept is not None else "vllm", top_k=None, top_p=None, min_p=None, kept=kept,
+        labels=labels, owned=owned, tau=tau, count=None, forward=False,
+    )  # fmt: skip
+    s, t = tile_sums(x, None, None, temp, V, shift, ENTROPY, restrict)
+    keep = keep.clone()
+    for i in range(N):
+        keep[i, labels[i][owned[i]]] = True
+    y = z.double() - shift.double()[:, None]
+    e = torch.where(keep, y.exp(), 0.0)
+    pad = -V % 128
+    want_s = torch.nn.functional.pad(e, (0, pad)).view(N, -1, 128).sum(-1)
+    want_t = torch.nn.functional.pad(e * y, (0, pad)).view(N, -1, 128).sum(-1)
+    # Each term within a few fp32 roundings (the exponent of z - M: |y| ulps), summed.
+    bound = 8 * 2.0**-24 * (y.abs() + 1)
+    tol_s = torch.nn.functional.pad(e * bound, (0, pad)).view(N, -1, 128).sum(-1) + 1e-30
+    tol_t = torch.nn.functional.pad(e * bound * (y.abs() + 1), (0, pad)).view(N, -1, 128).sum(-1)
+    assert ((s.double() - want_s).abs() <= tol_s).all()
+    assert ((t.double() - want_t).abs() <= tol_t + 1e-30).all()
+    assert (want_s > 0).sum() < want_s.numel()  # some tiles hold no kept token
 
 
 # ------------------------------------------------------------------ responses (narrow and packed rows)

@@ -279,7 +279,31 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
 
         return run
 
-    main_v = (32000, 151936, 262144, 50257)
+    def tile_kept_case(dt, V, how):
+        """The per-tile pass of a shard restricted to a kept set: thresholds, a replayed mask,
+        replayed ids; two labels a row added to it."""
+
+        def run():
+            from rlmath.engine.sampling import KeptSet
+            from rlmath.engine.triton_backend.tile_sums import ENTROPY, tile_sums
+
+            x = logits((10, V), dt)
+            shift = x.float().amax(-1) + 0.5
+            kept: torch.Tensor | None = None
+            if how == "mask":
+                kept = torch.rand(10, V, generator=_g(16)) < 0.01
+            elif how == "ids":
+                kept = torch.randint(0, V, (10, 20), generator=_g(15))
+            restrict = KeptSet(
+                "kept" if kept is not None else "vllm", top_k=None, top_p=None, min_p=None,
+                kept=kept, labels=torch.randint(0, V, (10, 2), generator=_g(1)),
+                owned=torch.ones(10, 2, dtype=torch.bool), tau=shift - 3.0, count=None,
+                forward=False,
+            )  # fmt: skip
+            tile_sums(x, None, None, 0.7, V, shift, ENTROPY, restrict)
+
+        return run
+
     main_v = (32000, 151936, 262144, 50257)
 
     # fp16 compiles to the code of bf16 but for its conversions: the main cases only
@@ -327,6 +351,12 @@ def scenarios(full: bool = False) -> Iterator[Scenario]:
                 f"tile sums of the KL and sum pi^2 {dname} V=16000 T={temp}",
                 aligned_rows(16000, dt),
                 tile_kl_pi2_case(dt, 16000, temp),
+            )
+        for how in ("tau", "mask", "ids"):
+            yield (
+                f"tile sums under a kept set ({how}) {dname} V=16000",
+                aligned_rows(16000, dt),
+                tile_kept_case(dt, 16000, how),
             )
     # Each option on the main layouts, in fp32 and bf16 (and fp16 with `full`).
     for dname, dt in dtypes.items():

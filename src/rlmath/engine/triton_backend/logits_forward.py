@@ -141,10 +141,14 @@ def logits_stats(
     threshold search of a kept set (``restrict``: pure torch, chunk by chunk,
     before the kernel; :mod:`.kept_math`). An fp64 compute dtype runs the
     pure-torch pass. ``shift``: ``(M,)`` the rows' max over every vocabulary
-    shard; the sums come back per 128-column tile (:func:`.tile_sums.tile_sums`;
-    a kept set's, and an fp64 pass's, from the pure-torch pass).
+    shard; the sums come back per 128-column tile (:func:`.tile_sums.tile_sums`,
+    a kept set's too; from the pure-torch pass for an fp64 pass, or a kept set
+    whose sizes are counted).
     """
-    if dtype != torch.float32 or (shift is not None and restrict is not None):
+    # A kept set's sums per tile take the kernel unless its sizes are counted (kept_stats),
+    # which the pure-torch pass does as it goes.
+    counted = restrict is not None and restrict.count is not None
+    if dtype != torch.float32 or (shift is not None and counted):
         return torch_logits_stats(
             logits, row_index, narrow, labels, temperature, want_entropy, real, chunk, dtype,
             restrict=restrict, shift=shift,
@@ -154,7 +158,7 @@ def logits_stats(
         temp_col = TemperatureColumn(temperature, dtype, logits.device)
         z = label_logits(src, labels, temp_col, dtype) if labels is not None else None
         second = ENTROPY if want_entropy else NONE
-        s, t = tile_sums(logits, row_index, narrow, temperature, real, shift, second)
+        s, t = tile_sums(logits, row_index, narrow, temperature, real, shift, second, restrict)
         return shift.to(dtype).clone(), s, t, z
     if restrict is not None and (
         (restrict.kept is None and restrict.forward) or restrict.count is not None

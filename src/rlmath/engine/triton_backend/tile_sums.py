@@ -20,12 +20,20 @@ sums are 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from rlmath.engine.tree import TILE, tile_count
-from rlmath.engine.triton_backend.kept_math import scaled, temperature_value
+from rlmath.engine.triton_backend.kept_math import (
+    KEEP_IDS,
+    kept_args,
+    kept_block,
+    scaled,
+    temperature_value,
+)
 from rlmath.engine.triton_backend.launch import (
     int32_columns,
     load_width,
@@ -33,6 +41,9 @@ from rlmath.engine.triton_backend.launch import (
     temperature_args,
 )
 from rlmath.engine.triton_backend.row_math import LS_FLOOR, exp_ftz
+
+if TYPE_CHECKING:
+    from rlmath.engine.sampling import KeptSet
 
 __all__ = ["ENTROPY", "SQUARES", "TILES", "kl_tile_sums", "tile_sums"]
 
@@ -77,12 +88,31 @@ def _shifted_block(
     WIDTH: tl.constexpr,
 ):
     """``z - M`` of one program's columns ``[j·WIDTH, (j + 1)·WIDTH)``, ``-inf`` past ``n``."""
+    z = _scaled_block(X, start, col_stride, n, n_load, T, j, TEMP_MODE, PAD, WIDTH)
+    return z - tl.where(big == float("-inf"), 0.0, big)
+
+
+@triton.jit
+def _scaled_block(
+    X,
+    start,
+    col_stride,
+    n,
+    n_load,
+    T,
+    j,
+    TEMP_MODE: tl.constexpr,
+    PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """``z = x / T`` of one program's columns ``[j·WIDTH, (j + 1)·WIDTH)``, ``-inf`` past ``n``
+    (the kept-set search's rounding)."""
     cols = j * WIDTH + tl.arange(0, WIDTH)
     x = tl.load(X + start + cols * col_stride, mask=cols < n_load, other=float("-inf"))
     x = x.to(tl.float32)
     if PAD:
         x = tl.where(cols < n, x, float("-inf"))
-    return scaled(x, T, TEMP_MODE) - tl.where(big == float("-inf"), 0.0, big)
+    return scaled(x, T, TEMP_MODE)
 
 
 @triton.jit
@@ -99,9 +129,19 @@ def _tile_sums_kernel(
     S_OUT,
     B_OUT,
     n_tiles,
+    TAU,
+    MASK,
+    mask_stride,
+    IDS,
+    ids_stride,
+    BOUNDS,
+    bounds_stride,
+    ADD,
+    K,
     HAS_OFF: tl.constexpr,
     TEMP_MODE: tl.constexpr,
     SECOND: tl.constexpr,
+    KEEP_MODE: tl.constexpr,
     PAD: tl.constexpr,
     TILE_W: tl.constexpr,
     N_TILES: tl.constexpr,
@@ -111,8 +151,16 @@ def _tile_sums_kernel(
     start = _row_start(OFF, i, row_stride, HAS_OFF)
     T = _row_temperature(TEMP, i, t_scalar, TEMP_MODE)
     big = tl.load(SHIFT + i)
-    y = _shifted_block(X, start, col_stride, n, n_load, T, big, j, TEMP_MODE, PAD, N_TILES * TILE_W)
+    z = _scaled_block(X, start, col_stride, n, n_load, T, j, TEMP_MODE, PAD, N_TILES * TILE_W)
+    y = z - tl.where(big == float("-inf"), 0.0, big)
     e = exp_ftz(y)
+    if KEEP_MODE != 0:  # a sampler's kept set: the other columns add nothing
+        cols = j * (N_TILES * TILE_W) + tl.arange(0, N_TILES * TILE_W)
+        keep = kept_block(
+            z, cols, i, TAU, MASK, mask_stride, IDS, ids_stride, BOUNDS, bounds_stride,
+            j, ADD, K, n, KEEP_MODE,
+        )  # fmt: skip
+        e = tl.where(keep, e, 0.0)
     tiles = j * N_TILES + tl.arange(0, N_TILES)
     keep = tiles < n_tiles
     tl.store(S_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e, (N_TILES, TILE_W)), 1), mask=keep)
@@ -203,12 +251,14 @@ def tile_sums(
     real: int,
     shift: torch.Tensor,
     second: int,
+    restrict: KeptSet | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-tile ``Σ e^{z - M}`` and the ``second`` sum (``None`` for :data:`NONE`), ``(M, n)`` fp32.
 
     Rows as the logits passes select them (``row_index``, ``narrow``);
     ``shift``: ``(M,)`` fp32, the rows' global max of ``z``; ``real``: the
-    columns that count.
+    columns that count. ``restrict``: a sampler's kept set, its thresholds
+    found (:mod:`.kept_math`): the columns outside it add nothing.
     """
     rows = _Rows(logits, row_index, narrow)
     M, n, dev = rows.rows, tile_count(real), logits.device
@@ -219,6 +269,7 @@ def tile_sums(
     temp, _, mode = temperature_args(temperature, s)
     n_load = load_width(real, rows.width)
     shift = shift.to(torch.float32).contiguous()
+    ka = kept_args(restrict, s, TILES * TILE, real)
     _tile_sums_kernel[(M, triton.cdiv(n, TILES))](
         rows.base,
         rows.off if rows.off is not None else s,
@@ -232,13 +283,25 @@ def tile_sums(
         s,
         b if b is not None else s,
         n,
+        ka.tau,
+        ka.mask,
+        ka.mask_stride,
+        ka.ids,
+        ka.ids_stride,
+        ka.bounds,
+        ka.bounds_stride,
+        ka.add,
+        ka.K,
         HAS_OFF=rows.off is not None,
         TEMP_MODE=mode,
         SECOND=second,
+        KEEP_MODE=ka.mode,
         PAD=n_load > real,
         TILE_W=TILE,
         N_TILES=TILES,
-        num_warps=4,
+        # Replayed ids loop over each block's ids: on 4 warps (8 columns a thread) sm_90
+        # spills there, on 8 it does not.
+        num_warps=8 if ka.mode == KEEP_IDS else 4,
     )
     return s, b
 
