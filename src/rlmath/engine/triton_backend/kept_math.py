@@ -120,6 +120,12 @@ class KeptArgs:
     add: torch.Tensor
     K: int
 
+    def kernel_args(self) -> tuple[torch.Tensor | int, ...]:
+        """The positional kernel arguments ``TAU, MASK, mask_stride, IDS, ids_stride, BOUNDS,
+        bounds_stride, ADD, K``, in the order :func:`kept_block` takes them."""
+        return (self.tau, self.mask, self.mask_stride, self.ids, self.ids_stride, self.bounds,
+                self.bounds_stride, self.add, self.K)  # fmt: skip
+
 
 def kept_args(
     restrict: KeptSet | None,

@@ -162,14 +162,14 @@ def _tile_sums_kernel(
         )  # fmt: skip
         e = tl.where(keep, e, 0.0)
     tiles = j * N_TILES + tl.arange(0, N_TILES)
-    keep = tiles < n_tiles
-    tl.store(S_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e, (N_TILES, TILE_W)), 1), mask=keep)
+    real = tiles < n_tiles
+    tl.store(S_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e, (N_TILES, TILE_W)), 1), mask=real)
     if SECOND == 1:
         b = tl.reshape(e * tl.maximum(y, LS_FLOOR), (N_TILES, TILE_W))
-        tl.store(B_OUT + i * n_tiles + tiles, tl.sum(b, 1), mask=keep)
+        tl.store(B_OUT + i * n_tiles + tiles, tl.sum(b, 1), mask=real)
     if SECOND == 2:
         tl.store(
-            B_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e * e, (N_TILES, TILE_W)), 1), mask=keep
+            B_OUT + i * n_tiles + tiles, tl.sum(tl.reshape(e * e, (N_TILES, TILE_W)), 1), mask=real
         )
 
 
@@ -283,15 +283,7 @@ def tile_sums(
         s,
         b if b is not None else s,
         n,
-        ka.tau,
-        ka.mask,
-        ka.mask_stride,
-        ka.ids,
-        ka.ids_stride,
-        ka.bounds,
-        ka.bounds_stride,
-        ka.add,
-        ka.K,
+        *ka.kernel_args(),
         HAS_OFF=rows.off is not None,
         TEMP_MODE=mode,
         SECOND=second,
