@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from rlmath import VocabParallel
 from rlmath.distributed import run_distributed
 from rlmath.engine import tree
+from rlmath.engine.stats import STATS_TREE
 from rlmath.engine.torch_backend import buffers, cpu_matmul
+from rlmath.engine.torch_backend.head_forward import tile_stats
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.log_probs import (
     kl_from_logits,
@@ -50,22 +52,38 @@ def _data(dtype: torch.dtype, vocab: int = V) -> tuple[torch.Tensor, torch.Tenso
     total=st.integers(1, 400),
     cut_seed=st.integers(0, 2**31 - 1),
     n_cuts=st.integers(0, 9),
+    stats=st.booleans(),
 )
-def test_tree_from_any_split_of_the_tiles_equals_the_whole(total, cut_seed, n_cuts):
+def test_tree_from_any_split_of_the_tiles_equals_the_whole(total, cut_seed, n_cuts, stats):
     g = torch.Generator().manual_seed(cut_seed)
+    op = STATS_TREE if stats else tree.ADD
     x = torch.randn(3, total, 2, generator=g).exp()
-    whole = tree.fold(x)
+    if stats:  # (m, s, t) per tile, some tiles without mass (-inf, 0, 0)
+        m = torch.randn(3, total, 1, generator=g) * 5
+        t = -torch.rand(3, total, 1, generator=g) * x[..., :1]
+        x = torch.cat([m, x[..., :1], t], -1)
+        x[torch.rand(3, total, generator=g) < 0.2] = torch.tensor([float("-inf"), 0.0, 0.0])
+    whole = tree.fold(x, op)
     perm = torch.randperm(max(total - 1, 1), generator=g)[: min(n_cuts, total - 1)] + 1
     bounds = [0, *sorted(perm.tolist()), total] if total > 1 else [0, total]
     nodes: dict[tuple[int, int], torch.Tensor] = {}
     for a, b in itertools.pairwise(bounds):
         plan = tree.node_plan(a, b - a, total)
-        values = tree.local_nodes(x[:, a:b], a, total)
+        values = tree.local_nodes(x[:, a:b], a, total, op)
         assert len(plan) == len(values)
         for node, value in zip(plan, values, strict=True):
             assert node not in nodes  # every tile is handed on once
             nodes[node] = value
-    assert torch.equal(tree.evaluate(nodes, total), whole)
+    assert torch.equal(tree.evaluate(nodes, total, op), whole)
+    if stats:  # the merged (m, s, t) is that of every tile's mass at once (fp64)
+        shift = (x[..., 0].double() - whole[:, None, 0].double()).exp()
+        mass = torch.where(x[..., 0] == float("-inf"), 0.0, x[..., 1].double() * shift)
+        # Per level: m - M rounded (|m - M|·u in the exponent), exp, product, sum (3u).
+        depth = max(1, (total - 1).bit_length())
+        live = x[..., 0] > float("-inf")
+        spread = torch.where(live, whole[:, None, 0] - x[..., 0], 0).amax(1).double()
+        bound = depth * (spread + 3) * 2.0**-24 * mass.sum(1)
+        assert ((whole[:, 1].double() - mass.sum(1)).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 250, 1187])
@@ -233,6 +251,43 @@ def _head(hidden, weight, labels, temperature, rows):
     return lp.detach(), ent.detach(), leaf.grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_heads_tile_statistics_against_fp64(dtype):
+    # 300 columns: two whole tiles and a tail of 44; row 1's second tile has no
+    # finite logit, row 2 some -inf logits among finite ones.
+    g = torch.Generator().manual_seed(4)
+    c, width = 5, 300
+    x = (torch.randn(c, width, generator=g) * 4).to(dtype)
+    x[1, 128:256] = float("-inf")
+    x[2, ::3] = float("-inf")
+    temperature = (torch.rand(c, 1, generator=g) + 0.5).float()
+    out = torch.empty(c, 3, 3)
+    ws = buffers.Workspace(c, width, torch.float32, x.device)
+    tile_stats(x, ws, temperature=temperature, entropy=True, out=out)
+    z = x.double() / temperature.double()
+    eps = 2.0**-24
+    for k, (a, b) in enumerate([(0, 128), (128, 256), (256, 300)]):
+        zt = z[:, a:b]
+        m = zt.amax(-1)
+        dead = m == float("-inf")
+        y = torch.where(zt > float("-inf"), zt - m[:, None], float("-inf"))
+        e = y.exp()
+        s = e.sum(-1)
+        t = torch.where(e > 0, e * y, 0.0).sum(-1)
+        got = out[:, k].double()
+        assert torch.equal(got[:, 0], torch.where(dead, float("-inf"), m.float().double()))
+        assert (got[dead, 1:] == 0).all()
+        live = ~dead
+        # y = fl(x / T) - m: 2u relative in z, |z|·2u absolute in y, then exp and the
+        # sum of <= 128 terms (gamma_127 of the terms' sum).
+        zmax = zt.abs().where(zt.isfinite(), 0).amax(-1)
+        bound_s = (2 * zmax * 2 * eps + 2 * eps + 127 * eps) * s
+        ey = e.mul(y.abs()).where(e > 0, 0).sum(-1)
+        bound_t = (2 * zmax * 2 * eps + 3 * eps + 127 * eps) * ey + 2 * zmax * 2 * eps * s
+        assert ((got[live, 1] - s[live]).abs() <= bound_s[live]).all(), k
+        assert ((got[live, 2] - t[live]).abs() <= bound_t[live]).all(), k
+
+
 @pytest.mark.skipif(
     not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")),
     reason="the head's fp32 matmuls run in torch's BLAS here, whose rows depend on the batch",
@@ -370,3 +425,72 @@ def _packed_run(rank: int, world: int) -> torch.Tensor:
 
 def _packed_worker() -> torch.Tensor:
     return _packed_run(dist.get_rank(), dist.get_world_size())
+
+
+# ------------------------------------------------------------------ the fused head over shards
+
+H = 48
+
+
+def _head_shard(dtype, rank, world, vocab_size, chunk_size):
+    _, labels, temperature = _data(dtype)  # the labels and temperatures of the logits tests
+    if vocab_size is not None:
+        labels = torch.where(labels >= vocab_size, labels - 100, labels)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
+    bias = torch.randn(V, generator=g).to(dtype)
+    width = V // world
+    w = weight[rank * width : (rank + 1) * width].clone().requires_grad_()
+    b = bias[rank * width : (rank + 1) * width].clone().requires_grad_()
+    vp = VocabParallel(group=dist.group.WORLD) if world > 1 else None
+    lp, ent = log_probs_and_entropy_from_hidden(
+        hidden, w, labels, bias=b, temperature=temperature, vocab_parallel=vp,
+        vocab_size=vocab_size, chunk_size=chunk_size,
+    )  # fmt: skip
+    noise = torch.Generator().manual_seed(3)
+    loss = (torch.randn(lp.shape, generator=noise) * torch.nan_to_num(lp)).sum()
+    loss = loss + (torch.randn(ent.shape, generator=noise) * ent).sum()
+    gh, gw, gb = torch.autograd.grad(loss, (hidden, w, b))
+    return lp.detach(), ent.detach(), gw, gb, gh
+
+
+def _head_tp_run(rank: int, world: int) -> dict:
+    return {
+        (dtype, vocab_size, chunk_size): _head_shard(dtype, rank, world, vocab_size, chunk_size)
+        for dtype in (torch.float32, torch.bfloat16)
+        for vocab_size in (None, V - 72)
+        for chunk_size in (None, 16)
+    }
+
+
+def _head_tp_worker() -> dict:
+    return _head_tp_run(dist.get_rank(), dist.get_world_size())
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")),
+    reason="the head's fp32 matmuls run in torch's BLAS here, whose rows depend on the batch",
+)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_fused_heads_statistics_do_not_depend_on_the_tensor_parallel_degree(world):
+    # V = 3072: one process runs head blocks of 2048 and 1024 columns; a shard of
+    # 1536, 768 or 384 columns other blocks, whose tiles meet in the same tree.
+    want = _head_tp_run(0, 1)
+    results = run_distributed(_head_tp_worker, world)
+    width = V // world
+    for rank, result in enumerate(results):
+        cols = slice(rank * width, (rank + 1) * width)
+        for key, (lp, ent, gw, gb, gh) in result.items():
+            want_lp, want_ent, want_gw, want_gb, _ = want[key]
+            assert torch.equal(lp.nan_to_num(7.0), want_lp.nan_to_num(7.0)), (world, rank, key)
+            assert torch.equal(ent, want_ent), (world, rank, key)
+            if key[2] is not None:
+                # Sums over the rows, in row blocks of the same height on every rank
+                # (by default the height follows the shard's width: a memory budget).
+                assert torch.equal(gw, want_gw[cols]), (world, rank, key)
+                assert torch.equal(gb, want_gb[cols]), (world, rank, key)
+            # grad_hidden is all-reduced over the shards (another order of the same sum):
+            # the same on every rank, not the bits of one process.
+            assert torch.equal(gh, results[0][key][4]), (world, rank, key)

@@ -108,14 +108,21 @@ def test_results_do_not_depend_on_the_elementwise_slices(monkeypatch, sub, matmu
 
 
 @given(total=st.integers(0, 5000), tile=st.integers(1, 700))
-def test_cpu_tiles_are_fixed_steps_and_accelerator_tiles_even(total, tile):
+def test_cpu_tiles_are_fixed_steps_and_accelerator_tiles_even_on_the_tile_grid(total, tile):
     from rlmath.engine.policy import tile_spans
+    from rlmath.engine.tree import TILE
 
+    width = -(-tile // TILE) * TILE  # the tile rounded up onto the 128-column grid
     cpu = tile_spans(total, tile)
-    assert [lo for lo, _ in cpu] == list(range(0, total, tile))
+    assert [lo for lo, _ in cpu] == list(range(0, total, width))
     assert (cpu[-1][1] if cpu else 0) == total
-    assert all(hi - lo == tile for lo, hi in cpu[:-1]) and all(hi > lo for lo, hi in cpu)
-    assert tile_spans(total, tile, "cuda") == spans(total, tile)
+    assert all(hi - lo == width for lo, hi in cpu[:-1]) and all(hi > lo for lo, hi in cpu)
+    acc = tile_spans(total, tile, "cuda")
+    assert [hi - lo for lo, hi in acc] == [
+        min(b * TILE, total) - a * TILE for a, b in spans(-(-total // TILE), width // TILE)
+    ]
+    assert all(lo % TILE == 0 for lo, _ in cpu + acc)
+    assert (acc[-1][1] if acc else 0) == total and all(hi > lo for lo, hi in acc)
 
 
 @given(length=st.integers(1, 100_000))

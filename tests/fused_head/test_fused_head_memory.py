@@ -13,7 +13,7 @@ from tests.memory_tracker import MemoryTracker
 pytestmark = pytest.mark.usefixtures("matmul_library")
 
 N, H, V = 256, 16, 2000
-ROWS, TILE = 32, 400
+ROWS, TILE = 32, 384  # a vocabulary tile on the 128-column grid
 
 
 def run_tracked(fn, leaves):
@@ -47,7 +47,10 @@ def assert_no_logits_sized_tensors(mem, leaves):
     big = [a for a in mem.allocations if a.nbytes >= smallest_logits]
     assert big == [], big
     assert mem.largest(phase="forward") <= 4 * ROWS * TILE * 4
-    assert mem.peak_by_phase["forward"] <= 0.10 * logits_fp32
+    # The statistics of the fixed tree: at most (m, s, t) per row and 128-column tile
+    # (0.15 % of the logits at V = 32000; 1.6 % at this V = 2000).
+    stats = 3 * 4 * N * -(-V // 128)
+    assert mem.peak_by_phase["forward"] <= 0.10 * logits_fp32 + stats
     grads = sum(x.numel() * x.element_size() for x in leaves)
     acc = weight.numel() * 4 if half else 0
     # The backward peak counts the gradients and the accumulator (and the

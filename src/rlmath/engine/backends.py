@@ -69,6 +69,12 @@ class Kernels:
     :mod:`rlmath.engine.tree`: bitwise one process's result over a vocabulary
     split on the tile grid.
 
+    A backend that gives ``head_tile_nodes`` computes the fused head's
+    per-tile statistics in the tree of :data:`rlmath.engine.stats.STATS_TREE`
+    and returns a shard's nodes of it, which the engine finishes across
+    shards (:func:`rlmath.engine.stats.combine_nodes`): the same bits as one
+    process over a vocabulary split on the tile grid.
+
     ``kept_thresholds`` (optional) finds a truncating sampler's global
     thresholds over a vocabulary split between processes
     (:func:`rlmath.engine.torch_backend.kept_shards.sharded_thresholds`).
@@ -83,6 +89,7 @@ class Kernels:
     pi_squared_stats: Callable[..., Any]
     head_tiles: Callable[..., tuple[int, int]] | None = None
     logits_max: Callable[..., Any] | None = None
+    head_tile_nodes: Callable[..., Any] | None = None
     kept_thresholds: Callable[..., Any] | None = None
 
 

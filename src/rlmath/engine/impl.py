@@ -26,7 +26,9 @@ from rlmath.engine.groups import ProcessGroup, all_reduce, resolve_group
 from rlmath.engine.policy import auto_tile_sizes
 from rlmath.engine.sampling import KeptSet
 from rlmath.engine.stats import (
+    STATS_TREE,
     combine_kl,
+    combine_nodes,
     combine_pi_squared,
     combine_shards,
     combine_tiles,
@@ -35,6 +37,7 @@ from rlmath.engine.stats import (
     grad_coefficients,
     tiles_in_tree_order,
 )
+from rlmath.engine.tree import TILE, tile_count
 
 __all__ = [
     "head_backward",
@@ -652,25 +655,30 @@ def head_forward(
     )
     h2 = _rows(hidden)
     kernels = get_kernels(cfg.backend)
-    m, s, t, z = kernels.head_stats(  # type: ignore[misc]
-        h2,
-        weight,
-        bias,
-        lab.local,
-        lab.owned,
-        lab.live,
-        temp,
-        cfg.want_entropy,
-        real=real,
-        rows=rows,
-        tile=tile,
-        dtype=cdt,
-        scale=cfg.logit_scale,
+    args = (h2, weight, bias, lab.local, lab.owned, lab.live, temp, cfg.want_entropy)
+    kw = dict(
+        real=real, rows=rows, tile=tile, dtype=cdt, scale=cfg.logit_scale,
         softcap=cfg.softcap or None,
-    )
-    big, log_s, ent, z_all, held = combine_shards(
-        m, s, t, z, lab.owned, group, (cfg.shard.start, weight.shape[0])
-    )
+    )  # fmt: skip
+    layout = (cfg.shard.start, weight.shape[0])
+    if tiles_in_tree_order(cfg.shard, group) and kernels.head_tile_nodes is not None:
+        # Each shard's nodes of the fixed tree of per-tile statistics, finished on
+        # every rank: bitwise the statistics of one process.
+        assert group is not None
+        first = torch.distributed.get_rank(group) * cfg.shard.stride // TILE
+        nodes, z = kernels.head_tile_nodes(
+            *args, **kw, first=first, total=tile_count(cfg.shard.total)
+        )
+        width = 3 if cfg.want_entropy else 2
+        root, z_all, held = combine_nodes(
+            nodes, width, h2.new_empty(h2.shape[0], dtype=cdt), z, lab.owned, cfg.shard,
+            group, STATS_TREE, layout,
+        )  # fmt: skip
+        big, log_s = root[:, 0], root[:, 1].log()
+        ent = log_s - root[:, 2] / root[:, 1] if cfg.want_entropy else None
+    else:
+        m, s, t, z = kernels.head_stats(*args, **kw)
+        big, log_s, ent, z_all, held = combine_shards(m, s, t, z, lab.owned, group, layout)
     assert z_all is not None
     logp = lab.finish((z_all - big.unsqueeze(-1)) - log_s.unsqueeze(-1), held)
     if ent is None:

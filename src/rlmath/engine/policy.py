@@ -333,12 +333,18 @@ def tile_spans(
     multiple of :data:`TILE_ALIGN` keeps the matmuls that write or read them
     fast (measured on a 2-core AMD EPYC, fp32, 1366 rows, H = 1024, in MKL:
     the logits matmul took 3.6 s per ``N·V·H`` with 1392-wide tiles, 2.8 s
-    with 1408-wide ones). Elsewhere the tiles are :func:`spans` (even widths: on an
-    accelerator a short last tile would cost as many kernel launches as a full one).
+    with 1408-wide ones). Elsewhere the tiles are :func:`spans` of whole
+    128-column tiles (even widths: on an accelerator a short last tile would
+    cost as many kernel launches as a full one). Either way every tile starts
+    on the 128-column grid of :mod:`rlmath.engine.tree` (``tile`` is rounded
+    up to a multiple of 128), whose tiles the head's statistics are merged over.
     """
+    grid = TILE_ALIGN  # = rlmath.engine.tree.TILE
+    width = -(-max(1, tile) // grid) * grid
     if not is_cpu(device):
-        return spans(total, tile)
-    return [(lo, min(lo + tile, total)) for lo in range(0, max(0, total), max(1, tile))]
+        n = -(-max(0, total) // grid)
+        return [(a * grid, min(b * grid, total)) for a, b in spans(n, width // grid)]
+    return [(lo, min(lo + width, total)) for lo in range(0, max(0, total), width)]
 
 
 def spans(total: int, step: int) -> list[tuple[int, int]]:

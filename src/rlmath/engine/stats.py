@@ -22,8 +22,10 @@ from rlmath.engine.config import VocabShard
 from rlmath.engine.groups import ProcessGroup, all_gather, all_reduce
 
 __all__ = [
+    "STATS_TREE",
     "ShardLayoutError",
     "combine_kl",
+    "combine_nodes",
     "combine_pi_squared",
     "combine_shards",
     "combine_tiles",
@@ -56,18 +58,25 @@ def _max_with_layout(
     slots = torch.full((2 * world,), NEG_INF, dtype=x.dtype, device=x.device)
     slots[me], slots[world + me] = float(layout[0]), float(layout[1])
     out = all_reduce(torch.cat([x.reshape(-1), slots]), "max", group)
-    starts, widths = out[-2 * world : -world], out[-world:]
+    return out[: x.numel()].view_as(x), _layout_ok(out[-2 * world : -world], out[-world:])
+
+
+def _layout_ok(starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Whether shards of these ``(start, width)`` (one per rank) tile ``[0, V)``: a 0-d bool.
+
+    Where reading it is free (a CPU), a bad layout raises :class:`ShardLayoutError`.
+    """
     order = torch.argsort(starts)
     begin = starts[order]
     end = begin + widths[order]
     ok = (begin[0] == 0) & (begin[1:] == end[:-1]).all()
-    if _device.reads_host(x.device) and not bool(ok):
+    if _device.reads_host(starts.device) and not bool(ok):
         table = [(int(a), int(b)) for a, b in zip(starts.tolist(), widths.tolist(), strict=True)]
         raise ShardLayoutError(
             "vocabulary shards must tile [0, V) without gaps or overlap; (vocab_start_index, "
             f"width) by rank: {table}"
         )
-    return out[: x.numel()].view_as(x), ok
+    return ok
 
 
 NEG_INF = float("-inf")
@@ -98,6 +107,32 @@ def merge_tile_stats(
         if t_out is not None and t is not None:
             t_out += e * (torch.where(empty, 0.0, t) + d * s)
     return big, s_out, t_out
+
+
+def _stat_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    parts = x.unbind(-1)
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
+def merge_stat_nodes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_tile_stats` of statistics stacked on the last dim: ``(..., k)`` with
+    ``k = 3`` for ``(m, s, t)``, ``k = 2`` for ``(m, s)`` (no entropy)."""
+    m, s, t = merge_tile_stats(_stat_parts(a), _stat_parts(b))
+    return torch.stack((m, s, t) if t is not None else (m, s), -1)
+
+
+def empty_stat_node(like: torch.Tensor) -> torch.Tensor:
+    """``(m, s, t) = (-inf, 0, 0)`` shaped as ``like``: a part without mass, which
+    :func:`merge_stat_nodes` returns the other operand for, bit for bit
+    (``e^0 = 1`` times it, plus exact zeros)."""
+    out = torch.zeros_like(like)
+    out[..., 0] = NEG_INF
+    return out
+
+
+STATS_TREE = tree.TreeOp(merge_stat_nodes, empty_stat_node)
+"""The fixed tree over per-tile ``(m, s[, t])`` statistics, each tile shifted by its own
+max: the fused head's order, which needs no global max before its one pass."""
 
 
 def combine_shards(
@@ -283,24 +318,63 @@ def combine_tiles(
     """Per-tile sums of every shard added in the single-process tree: bitwise one process's sums.
 
     Every shard's sums are shifted by the same global row max ``big``
-    (:func:`global_max`), so the tree only adds. Each rank hands on the nodes
-    of the tree inside its run of tiles (:func:`rlmath.engine.tree.node_plan`,
-    known to every rank from the layout); one all-gather carries them with the
-    label logits (only the owner's is non-zero) and the owner flags, and each
-    rank finishes the tree from the nodes in the same order.
+    (:func:`global_max`, which also checked the layout), so the tree only
+    adds (:func:`combine_nodes`).
 
     Args:
         big: ``(N,)`` global row max.
         sums: ``(N, n)`` per-tile sums of this shard's real columns.
-        z_labels: ``(N, K)`` scaled label logits (any value where not owned), or ``None``.
-        owned: ``(N, K)`` bool, the labels this shard holds.
-        shard: this shard (:attr:`~VocabShard.stride` > 0, a multiple of the tile width).
-        group: the vocabulary-parallel group.
+        z_labels, owned, shard, group: as in :func:`combine_nodes`.
 
     Returns:
         ``(sums (N,) each, label logits (N, K) or None, held (N, K) or None)``.
     """
-    world, me = dist.get_world_size(group), dist.get_rank(group)
+    total = tree.tile_count(shard.total)
+    first = dist.get_rank(group) * shard.stride // tree.TILE
+    if sums:
+        nodes = tree.local_nodes(torch.stack(sums, -1), first, total)
+    else:
+        nodes = []
+    root, z_all, held = combine_nodes(nodes, len(sums), big, z_labels, owned, shard, group)
+    return list(root.unbind(-1)), z_all, held
+
+
+def combine_nodes(
+    nodes: list[torch.Tensor],
+    width: int,
+    like: torch.Tensor,
+    z_labels: torch.Tensor | None,
+    owned: torch.Tensor | None,
+    shard: VocabShard,
+    group: ProcessGroup,
+    op: tree.TreeOp = tree.ADD,
+    layout: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The root of the single-process tree from every shard's nodes: one all-gather.
+
+    Each rank hands on the nodes of the tree inside its run of tiles
+    (:func:`rlmath.engine.tree.node_plan`, known to every rank from the
+    layout); the all-gather carries them with the label logits (only the
+    owner's is non-zero) and the owner flags, and each rank finishes the same
+    tree from the nodes in the same order.
+
+    Args:
+        nodes: this rank's nodes, ``(N, width)`` each, in the order of its plan.
+        width: values per node (``k`` sums, or ``(m, s[, t])``).
+        like: any ``(N,)`` tensor of the compute dtype and device.
+        z_labels: ``(N, K)`` scaled label logits (any value where not owned), or ``None``.
+        owned: ``(N, K)`` bool, the labels this shard holds.
+        shard: this shard (:attr:`~VocabShard.stride` > 0, a multiple of the tile width).
+        group: the vocabulary-parallel group.
+        op: how nodes combine (:data:`rlmath.engine.tree.ADD`, :data:`STATS_TREE`).
+        layout: this shard's ``(start, width)``, for a caller without an earlier
+            collective that checked the layout: carried with the nodes and
+            checked as in :func:`_max_with_layout` (a bad layout makes the root NaN).
+
+    Returns:
+        ``(root (N, width), label logits (N, K) or None, held (N, K) or None)``.
+    """
+    world = dist.get_world_size(group)
     total = tree.tile_count(shard.total)
     plans = []
     for k in range(world):
@@ -308,33 +382,36 @@ def combine_tiles(
         real = max(0, min(shard.stride, shard.total - start))
         plans.append(tree.node_plan(start // tree.TILE, tree.tile_count(real), total))
     slots = max(len(p) for p in plans)
-    n_rows, width = big.shape[0], len(sums)
-    nodes = torch.zeros(n_rows, slots, width, dtype=big.dtype, device=big.device)
-    for j, v in enumerate(
-        tree.local_nodes(torch.stack(sums, -1), me * shard.stride // tree.TILE, total)
-    ):
-        nodes[:, j] = v
-    parts = [nodes.reshape(n_rows, -1)]
+    n_rows = like.shape[0]
+    packed = like.new_zeros(n_rows, slots, width)
+    for j, v in enumerate(nodes):
+        packed[:, j] = v
+    parts = [packed.reshape(n_rows, -1)]
     k_labels = 0
     if z_labels is not None:
         k_labels = z_labels.shape[-1]
         parts.append(torch.where(owned, z_labels, 0) if owned is not None else z_labels)
         if owned is not None:
-            parts.append(owned.to(big.dtype))
+            parts.append(owned.to(like.dtype))
+    if layout is not None:
+        parts.append(like.new_tensor([float(layout[0]), float(layout[1])]).expand(n_rows, 2))
     everyone = all_gather(torch.cat(parts, -1), group)  # (world, N, ·)
     table = {
         node: everyone[k, :, j * width : (j + 1) * width]
         for k, plan in enumerate(plans)
         for j, node in enumerate(plan)
     }
-    root = tree.evaluate(table, total) if total else big.new_zeros(n_rows, width)
+    root = tree.evaluate(table, total, op) if total else op.identity(like.new_empty(n_rows, width))
+    if layout is not None and n_rows:
+        ok = _layout_ok(everyone[:, 0, -2], everyone[:, 0, -1])
+        root = torch.where(ok, root, float("nan"))
     z_all = held = None
     if z_labels is not None:
         first = slots * width
         z_all = everyone[:, :, first : first + k_labels].sum(0)
         if owned is not None:
-            held = everyone[:, :, first + k_labels :].sum(0) > 0
-    return list(root.unbind(-1)), z_all, held
+            held = everyone[:, :, first + k_labels : first + 2 * k_labels].sum(0) > 0
+    return root, z_all, held
 
 
 def finish_kl(

@@ -26,14 +26,19 @@ the chunk or the thread count.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from rlmath import _device
 
 __all__ = [
+    "ADD",
     "TILE",
     "TileRun",
+    "TreeOp",
     "evaluate",
     "fold",
     "level_counts",
@@ -45,6 +50,23 @@ __all__ = [
 
 TILE = 128
 """Width of a vocabulary tile in columns (a multiple of every SIMD width)."""
+
+
+class TreeOp(NamedTuple):
+    """How two nodes of the tree combine: ``combine(left, right)``, and the value of a
+    node past the end (``identity(like)``: a tensor shaped as ``like``), which
+    ``combine`` must return its other operand for, bit for bit.
+
+    Sums use :data:`ADD`; the fused head merges per-tile ``(max, sum, entropy
+    term)`` triples (:data:`rlmath.engine.stats.STATS_TREE`).
+    """
+
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    identity: Callable[[torch.Tensor], torch.Tensor]
+
+
+ADD = TreeOp(operator.add, torch.zeros_like)
+"""The tree of sums: ``left + right``, ``+0.0`` past the end."""
 
 Node = tuple[int, int]
 """``(level, index)`` of a tree node: the sum of tiles ``[index·2^level, (index+1)·2^level)``."""
@@ -175,7 +197,7 @@ def node_plan(first: int, count: int, total: int) -> list[Node]:
     return plan
 
 
-def local_nodes(x: torch.Tensor, first: int, total: int) -> list[torch.Tensor]:
+def local_nodes(x: torch.Tensor, first: int, total: int, op: TreeOp = ADD) -> list[torch.Tensor]:
     """The values of :func:`node_plan`'s nodes from the tile sums of one run.
 
     Args:
@@ -183,6 +205,7 @@ def local_nodes(x: torch.Tensor, first: int, total: int) -> list[torch.Tensor]:
             sums per tile, added independently).
         first: global index of the run's first tile.
         total: tiles of the whole vocabulary.
+        op: how nodes combine (:data:`ADD`: sums).
 
     Returns:
         One ``(c, k)`` tensor per node of ``node_plan(first, count, total)``, in its order.
@@ -199,38 +222,42 @@ def local_nodes(x: torch.Tensor, first: int, total: int) -> list[torch.Tensor]:
         if hi % 2 and hi < n and lo < hi:
             out.append(x[:, -1])
             x, hi = x[:, :-1], hi - 1
-        if (hi - lo) % 2:  # the last node of the level has no right sibling: it gets +0.0
-            x = torch.cat([x, torch.zeros_like(x[:, -1:])], 1)
-        x = x[:, 0::2] + x[:, 1::2]
+        if (hi - lo) % 2:  # the last node of the level has no right sibling: the identity
+            x = torch.cat([x, op.identity(x[:, -1:])], 1)
+        x = op.combine(x[:, 0::2], x[:, 1::2])
         lo, hi, n = lo // 2, (hi + 1) // 2, (n + 1) // 2
     return out
 
 
-def evaluate(nodes: dict[Node, torch.Tensor], total: int) -> torch.Tensor:
-    """The root of the tree over ``total`` tiles from nodes that cover every tile once.
+def evaluate(
+    nodes: dict[Node, torch.Tensor], total: int, op: TreeOp = ADD, node: Node | None = None
+) -> torch.Tensor:
+    """The root of the tree over ``total`` tiles from nodes that cover every tile once
+    (or ``node``, from nodes that cover its tiles once).
 
     ``nodes`` maps ``(level, index)`` to its ``(c, k)`` value (the union of the
-    runs' :func:`local_nodes`); every other node is computed as the sum of its
-    children, exactly as :func:`local_nodes` would.
+    runs' :func:`local_nodes`); every other node is computed from its
+    children with ``op``, exactly as :func:`local_nodes` would.
     """
     counts = level_counts(total)
 
     def value(level: int, index: int) -> torch.Tensor:
-        node = nodes.get((level, index))
-        if node is not None:
-            return node
+        found = nodes.get((level, index))
+        if found is not None:
+            return found
         left = value(level - 1, 2 * index)
         if 2 * index + 1 < counts[level - 1]:
-            return left + value(level - 1, 2 * index + 1)
-        return left + torch.zeros_like(left)
+            return op.combine(left, value(level - 1, 2 * index + 1))
+        return op.combine(left, op.identity(left))
 
-    return value(len(counts) - 1, 0)
+    return value(*node) if node is not None else value(len(counts) - 1, 0)
 
 
-def fold(x: torch.Tensor) -> torch.Tensor:
-    """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)`` (zeros for ``n = 0``).
+def fold(x: torch.Tensor, op: TreeOp = ADD) -> torch.Tensor:
+    """The root of the tree over all tiles held here: ``(c, n, k)`` → ``(c, k)``.
 
-    The tiles padded with zeros to a power of two, then halved level by level:
+    ``n = 0`` gives the identity (zeros for sums). The tiles padded with
+    ``op``'s identity to a power of two, then combined level by level:
     the additions of :func:`local_nodes` for a run of every tile, in fewer ops
     (each level one ``unbind`` of the pairs and one addition). The pure-torch
     backend's passes add small trees on a CPU into a kept buffer instead
@@ -238,12 +265,12 @@ def fold(x: torch.Tensor) -> torch.Tensor:
     """
     c, n, k = x.shape
     if n == 0:
-        return x.new_zeros(c, k)
+        return op.identity(x.new_empty(c, k))
     width = 1 << (n - 1).bit_length()
     if width != n:
-        x = torch.cat([x, x.new_zeros(c, width - n, k)], 1)
+        x = torch.cat([x, op.identity(x.new_empty(c, width - n, k))], 1)
     while width > 1:
         width //= 2
         left, right = x.reshape(c, width, 2, k).unbind(2)
-        x = left + right
+        x = op.combine(left, right)
     return x[:, 0]

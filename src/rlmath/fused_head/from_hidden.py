@@ -152,10 +152,13 @@ def log_probs_and_entropy_from_hidden(
         chunk_size: tokens per block; ``None`` picks 2048 on a CPU and 4096 on an
             accelerator (fewer for short inputs). On a CPU each worker thread
             works on pieces of at most 512 of them at a time.
-        vocab_chunk_size: vocabulary entries per block; ``None`` fills a block of
-            8M entries on a CPU, 32M on an accelerator (at most 1/64 or 1/48 of
+        vocab_chunk_size: vocabulary entries per block (the pure-torch backend
+            rounds it up to a multiple of 128); ``None``: 2048 on a CPU, enough
+            to fill a block of 32M entries on an accelerator (at most 1/48 of
             the logits). Both change speed and memory only
-            (:mod:`rlmath.engine.policy`), results agree to rounding.
+            (:mod:`rlmath.engine.policy`), results agree to rounding (on a CPU
+            the log-probs and entropy are the same bits whatever the blocks
+            where the matmul library allows, ``docs/engine.md``, "Invariance").
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check that every label lies in ``[0, V)`` or equals
             ``ignore_index`` (and that a tensor temperature is positive) with a

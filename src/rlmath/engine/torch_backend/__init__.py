@@ -9,7 +9,7 @@ shards), over the primitives of ``reductions``, ``rows`` and ``buffers``.
 
 from rlmath.engine.backends import Backend, Kernels, register_backend
 from rlmath.engine.torch_backend.head_backward import head_grad
-from rlmath.engine.torch_backend.head_forward import head_stats
+from rlmath.engine.torch_backend.head_forward import head_stats, head_tile_nodes
 from rlmath.engine.torch_backend.kept_shards import sharded_thresholds
 from rlmath.engine.torch_backend.kl_backward import kl_grad
 from rlmath.engine.torch_backend.kl_forward import kl_stats
@@ -25,6 +25,7 @@ TORCH_KERNELS = Kernels(
     kl_stats=kl_stats,
     kl_grad=kl_grad,
     head_stats=head_stats,
+    head_tile_nodes=head_tile_nodes,
     head_grad=head_grad,
     pi_squared_stats=pi_squared_stats,
     logits_max=logits_max,

@@ -101,8 +101,9 @@ class HeadBlocks:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.labels, self.owned, self.live = labels, owned, live
         self.row_spans = spans(hidden.shape[0], rows)
-        self.tile_spans = tile_spans(real, tile, hidden.device)
-        c_max, w_max = min(rows, max(1, hidden.shape[0])), max(1, min(tile, real))
+        self.tile_spans = tile_spans(real, tile, hidden.device)  # on the 128-column grid
+        widest = max((b - a for a, b in self.tile_spans), default=1)
+        c_max, w_max = min(rows, max(1, hidden.shape[0])), max(1, widest)
         self.row_major = not is_cpu(hidden.device)
         if self.row_major:
             # An accelerator: a block is a chunk × tile, the blocks run in order.

@@ -1,12 +1,16 @@
 """The fused LM head's forward pass: per-row statistics of ``hidden @ weight.T + bias``.
 
-For each block of rows × vocabulary tile (:class:`HeadBlocks`) the logits
-are computed and reduced slice by slice
-(:func:`rlmath.engine.torch_backend.logits_forward.chunk_stats`); the tiles'
-statistics are merged into the rows' running ones
-(:func:`rlmath.engine.stats.merge_tile_stats`) in tile order (the blocks of a
-row run one after another, those of different rows in parallel on a CPU), so
-only three numbers per row (and the label logits) outlive a block.
+For each block of rows × vocabulary tile (:class:`HeadBlocks`) the logits are
+computed and reduced slice by slice into the statistics of each 128-column
+tile of the fixed tree (:mod:`rlmath.engine.tree`): ``(m, s, t)``, the tile's
+max, ``Σ exp(z - m)`` and ``Σ exp(z - m)·(z - m)``, each tile shifted by its
+own max, since one pass over the head cannot know the row's max before its
+last block. The block's tiles are merged at once into the tree's nodes that
+lie inside the block (:data:`rlmath.engine.stats.STATS_TREE`), and those
+nodes into the root when every block is done: the same merges, in the same
+order, whatever the number of rows or threads, and whatever split of the
+vocabulary between processes on the tile grid (:func:`head_tile_nodes`).
+Only a few numbers per row and block (and the label logits) outlive a block.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import functools
 
 import torch
 
-from rlmath.engine.stats import merge_tile_stats
-from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, fold_tiles
+from rlmath.engine import tree
+from rlmath.engine.stats import STATS_TREE
+from rlmath.engine.torch_backend.buffers import Temperature, TemperatureColumn, Workspace
 from rlmath.engine.torch_backend.head_blocks import BlockScratch, HeadBlocks
-from rlmath.engine.torch_backend.logits_forward import chunk_stats
+from rlmath.engine.torch_backend.reductions import scaled_shift, upcast, upcasts_first
 
-__all__ = ["head_stats"]
+__all__ = ["head_stats", "head_tile_nodes", "tile_stats"]
+
+NodeTable = dict[tree.Node, torch.Tensor]
 
 
 def head_stats(
@@ -46,28 +53,94 @@ def head_stats(
     ``z_labels`` ``(N, K)`` are the logits of the owned labels (0 elsewhere).
     A row without a finite logit gives ``m = -inf, s = t = 0``.
     """
-    dev, N = hidden.device, hidden.shape[0]
     blocks = HeadBlocks(
         hidden, weight, bias, labels, owned, live, rows, tile, real, dtype, scale, softcap
     )
+    total = tree.tile_count(real)
+    table, z_label = _head_nodes(blocks, temperature, want_entropy, labels.shape, 0, total)
+    N = hidden.shape[0]
+    if total == 0:
+        root = STATS_TREE.identity(hidden.new_empty(N, 3 if want_entropy else 2, dtype=dtype))
+    else:
+        root = tree.evaluate(table, total, STATS_TREE)
+    return root[:, 0], root[:, 1], root[:, 2] if want_entropy else None, z_label
+
+
+def head_tile_nodes(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    owned: torch.Tensor,
+    live: torch.Tensor | None,
+    temperature: Temperature,
+    want_entropy: bool,
+    *,
+    real: int,
+    rows: int,
+    tile: int,
+    dtype: torch.dtype,
+    first: int,
+    total: int,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The nodes of the fixed tree inside this shard's tiles, for the engine to finish.
+
+    This weight's columns are tiles ``[first, first + ceil(real / 128))`` of
+    the ``total`` tiles of the whole vocabulary. Returns ``(nodes, z_labels)``:
+    one ``(N, k)`` tensor of ``(m, s[, t])`` per node of
+    :func:`rlmath.engine.tree.node_plan`, in its order, and the label logits as
+    in :func:`head_stats`.
+    """
+    blocks = HeadBlocks(
+        hidden, weight, bias, labels, owned, live, rows, tile, real, dtype, scale, softcap
+    )
+    count = tree.tile_count(real)
+    table, z_label = _head_nodes(blocks, temperature, want_entropy, labels.shape, first, total)
+    plan = tree.node_plan(first, count, total)
+    return [tree.evaluate(table, total, STATS_TREE, node) for node in plan], z_label
+
+
+def _head_nodes(
+    blocks: HeadBlocks,
+    temperature: Temperature,
+    entropy: bool,
+    label_shape: torch.Size,
+    first: int,
+    total: int,
+) -> tuple[NodeTable, torch.Tensor]:
+    """Every block's nodes of the tree (:func:`rlmath.engine.tree.node_plan` of its tiles,
+    globally numbered from ``first``), ``(N, k)`` each, and the label logits."""
+    hidden, dtype = blocks.hidden, blocks.dtype
+    dev, N = hidden.device, hidden.shape[0]
+    k = 3 if entropy else 2
     temp = TemperatureColumn(temperature, dtype, dev)
-    big = torch.full((N,), float("-inf"), dtype=dtype, device=dev)
-    total_s = torch.zeros(N, dtype=dtype, device=dev)
-    total_t = torch.zeros(N, dtype=dtype, device=dev) if want_entropy else None
-    z_label = torch.zeros(labels.shape, dtype=dtype, device=dev)
+    table: NodeTable = {}
+    plans = []
+    for v0, v1 in blocks.tile_spans:
+        plan = tree.node_plan(first + v0 // tree.TILE, tree.tile_count(v1 - v0), total)
+        plans.append(plan)
+        for node in plan:
+            table[node] = torch.empty(N, k, dtype=dtype, device=dev)
+    z_label = torch.zeros(label_shape, dtype=dtype, device=dev)
     one_block = functools.partial(
         _block_stats,
         blocks=blocks,
         temp=temp,
-        entropy=want_entropy,
-        out=(big, total_s, total_t),
+        entropy=entropy,
+        plans=plans,
+        table=table,
+        first=first,
+        total=total,
         z_label=z_label,
     )
+    # The blocks of a row in order: they update the row's label logits in turn.
     blocks.run(one_block, along_rows=True, along_columns=False)
     if temp.col is not None:
         # Upcast, then divide by T: the rounding of the shifted block buffer.
         z_label = z_label / temp.col
-    return big, total_s, total_t, z_label
+    return table, z_label
 
 
 def _block_stats(
@@ -78,14 +151,16 @@ def _block_stats(
     blocks: HeadBlocks,
     temp: TemperatureColumn,
     entropy: bool,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    plans: list[list[tree.Node]],
+    table: NodeTable,
+    first: int,
+    total: int,
     z_label: torch.Tensor,
 ) -> None:
-    """Block ``(i, j)``: its logits, label logits, statistics merged into the rows' in ``out``.
+    """Block ``(i, j)``: its logits, label logits, and its tiles' statistics merged into the
+    tree's nodes inside the block, written to rows ``[r0, r1)`` of ``table``'s nodes.
 
-    The logits of rows ``block_rows[i]`` for tile ``tile_spans[j]`` are
-    computed into the block buffer, reduced slice by slice (:func:`chunk_stats`)
-    and merged into rows ``[r0, r1)`` of the running ``out = (m, s, t)``.
+    Every block writes its own rows of its own nodes.
     """
     (r0, r1), (v0, v1) = blocks.block_rows[i], blocks.tile_spans[j]
     scratch.begin_tile(v0, v1)
@@ -93,20 +168,87 @@ def _block_stats(
     z = blocks.transformed(scratch, blocks.logits(scratch, h, v0, v1))
     idx, inside = blocks.tile_labels(r0, r1, v0, v1)
     z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
-    c = r1 - r0
-    tm = torch.empty(c, dtype=z_label.dtype, device=z.device)
-    ts = torch.empty_like(tm)
-    tt = torch.empty_like(tm) if entropy else None
+    c, n = r1 - r0, tree.tile_count(v1 - v0)
+    leaves = torch.empty(c, n, 3 if entropy else 2, dtype=z_label.dtype, device=z.device)
     for s0, s1 in blocks.slices(c):
-        cm, cs, ct = chunk_stats(
-            z[s0:s1], scratch.small, temperature=temp.rows(r0 + s0, r0 + s1), entropy=entropy
+        tile_stats(
+            z[s0:s1],
+            scratch.small,
+            temperature=temp.rows(r0 + s0, r0 + s1),
+            entropy=entropy,
+            out=leaves[s0:s1],
         )
-        tm[s0:s1], ts[s0:s1] = cm, fold_tiles(cs.unsqueeze(-1))[:, 0]
-        if tt is not None and ct is not None:
-            tt[s0:s1] = fold_tiles(ct.unsqueeze(-1))[:, 0]
-    big, total_s, total_t = out
-    old = (big[r0:r1], total_s[r0:r1], total_t[r0:r1] if total_t is not None else None)
-    m, s, t = merge_tile_stats(old, (tm, ts, tt))
-    big[r0:r1], total_s[r0:r1] = m, s
-    if total_t is not None and t is not None:
-        total_t[r0:r1] = t
+    values = tree.local_nodes(leaves, first + v0 // tree.TILE, total, STATS_TREE)
+    for node, value in zip(plans[j], values, strict=True):
+        table[node][r0:r1] = value
+
+
+def tile_stats(
+    src: torch.Tensor,
+    ws: Workspace,
+    *,
+    temperature: torch.Tensor | None,
+    entropy: bool,
+    out: torch.Tensor,
+) -> None:
+    """``(m, s, t)`` of every 128-column tile of one ``(c, W)`` chunk of logits, into ``out``.
+
+    Per tile: ``m = max z``, ``s = Σ exp(z - m)``, ``t = Σ exp(z - m)·(z - m)``
+    with ``z = src / T``, shifted by the tile's own max (a leaf of
+    :data:`rlmath.engine.stats.STATS_TREE`). A tile without a finite logit
+    gives ``(-inf, 0, 0)``, the tree's empty node; ``-inf`` logits among
+    finite ones drop out (their ``0·(-inf)`` products are skipped); a NaN
+    logit makes its tile NaN.
+
+    Args:
+        src: ``(c, W)`` logits, any floating dtype and strides (read only);
+            column 0 is the first column of a tile.
+        ws: scratch buffers (``"y"`` and ``"e"``, ``(c, W)`` in the compute dtype).
+        temperature: ``None`` or a ``(c, 1)`` / ``(1, 1)`` tensor in the compute dtype.
+        entropy: also compute ``t``.
+        out: ``(c, ceil(W / 128), 3)`` (``2`` without the entropy), compute dtype.
+    """
+    c, width = src.shape
+    full, y = width // tree.TILE, ws.get("y", c)
+    if upcasts_first(src, ws.dtype):
+        src = upcast(src, y)  # the max and the shift read the fp32 copy
+    m = _tile_max(src, full)
+    if m.dtype != ws.dtype:
+        m = m.to(ws.dtype)
+    if temperature is not None:
+        m = m / temperature  # fl(max x / T) = max fl(x / T): T > 0, rounding is monotonic
+    # Each tile shifted by its own max: the full tiles in one op, then the tail.
+    parts = [(0, full * tree.TILE, slice(0, full))] if full else []
+    if width > full * tree.TILE:
+        parts.append((full * tree.TILE, width, slice(full, full + 1)))
+    for a, b, cols in parts:
+        tiles = (b - a) // tree.TILE or 1
+        shape = (c, tiles, (b - a) // tiles)
+        t3 = None if temperature is None else temperature.unsqueeze(-1)
+        scaled_shift(
+            src[:, a:b].unflatten(-1, shape[1:]),
+            t3,
+            m[:, cols].unsqueeze(-1),
+            y[:, a:b].unflatten(-1, shape[1:]),
+        )
+    e = torch.exp(y, out=ws.get("e", c))
+    s = tree.tile_sums(e)
+    t = tree.tile_sums(e.mul_(y), nan=True) if entropy else None
+    # A tile without a finite logit: -inf - (-inf) is NaN; it has no mass instead.
+    dead = m == float("-inf")
+    out[..., 0] = m
+    out[..., 1] = s.masked_fill_(dead, 0.0)
+    if t is not None:
+        out[..., 2] = t.masked_fill_(dead, 0.0)
+
+
+def _tile_max(src: torch.Tensor, full: int) -> torch.Tensor:
+    """The max of each 128-column tile of ``src`` ``(c, W)``: ``(c, ceil(W / 128))``."""
+    c, width = src.shape
+    cut = full * tree.TILE
+    parts = []
+    if full:
+        parts.append(src[:, :cut].unflatten(-1, (full, tree.TILE)).amax(-1))
+    if width > cut:
+        parts.append(src[:, cut:].amax(-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
