@@ -22,7 +22,7 @@ from rlmath import VocabParallel
 from rlmath.distributed import run_distributed
 from rlmath.engine import tree
 from rlmath.engine.stats import STATS_TREE
-from rlmath.engine.torch_backend import buffers, cpu_matmul
+from rlmath.engine.torch_backend import buffers, cpu_matmul, head_forward
 from rlmath.engine.torch_backend.head_forward import tile_stats
 from rlmath.fused_head import log_probs_and_entropy_from_hidden
 from rlmath.log_probs import (
@@ -432,7 +432,7 @@ def _packed_worker() -> torch.Tensor:
 H = 48
 
 
-def _head_shard(dtype, rank, world, vocab_size, chunk_size):
+def _head_shard(dtype, rank, world, vocab_size, chunk_size, vocab_chunk_size=None):
     _, labels, temperature = _data(dtype)  # the labels and temperatures of the logits tests
     if vocab_size is not None:
         labels = torch.where(labels >= vocab_size, labels - 100, labels)
@@ -446,7 +446,7 @@ def _head_shard(dtype, rank, world, vocab_size, chunk_size):
     vp = VocabParallel(group=dist.group.WORLD) if world > 1 else None
     lp, ent = log_probs_and_entropy_from_hidden(
         hidden, w, labels, bias=b, temperature=temperature, vocab_parallel=vp,
-        vocab_size=vocab_size, chunk_size=chunk_size,
+        vocab_size=vocab_size, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
     )  # fmt: skip
     noise = torch.Generator().manual_seed(3)
     loss = (torch.randn(lp.shape, generator=noise) * torch.nan_to_num(lp)).sum()
@@ -455,17 +455,27 @@ def _head_shard(dtype, rank, world, vocab_size, chunk_size):
     return lp.detach(), ent.detach(), gw, gb, gh
 
 
-def _head_tp_run(rank: int, world: int) -> dict:
-    return {
-        (dtype, vocab_size, chunk_size): _head_shard(dtype, rank, world, vocab_size, chunk_size)
+def _head_tp_run(rank: int, world: int, narrow_blocks: bool = False) -> dict:
+    keys = [
+        (dtype, vocab_size, chunk_size)
         for dtype in (torch.float32, torch.bfloat16)
         for vocab_size in (None, V - 72)
         for chunk_size in (None, 16)
-    }
+    ]
+    if not narrow_blocks:
+        return {key: _head_shard(*key[:1], rank, world, *key[1:]) for key in keys}
+    # Blocks of 256 columns merged four at a time: one process runs three groups
+    # of blocks, a shard of 1536 columns two (four blocks and two).
+    saved = head_forward.GROUP_COLUMNS
+    head_forward.GROUP_COLUMNS = 1024
+    try:
+        return {key: _head_shard(*key[:1], rank, world, *key[1:], 256) for key in keys}
+    finally:
+        head_forward.GROUP_COLUMNS = saved
 
 
-def _head_tp_worker() -> dict:
-    return _head_tp_run(dist.get_rank(), dist.get_world_size())
+def _head_tp_worker(narrow_blocks: bool) -> dict:
+    return _head_tp_run(dist.get_rank(), dist.get_world_size(), narrow_blocks)
 
 
 @pytest.mark.integration
@@ -473,12 +483,17 @@ def _head_tp_worker() -> dict:
     not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")),
     reason="the head's fp32 matmuls run in torch's BLAS here, whose rows depend on the batch",
 )
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_the_fused_heads_statistics_do_not_depend_on_the_tensor_parallel_degree(world):
+@pytest.mark.parametrize(
+    ("world", "narrow_blocks"), [(2, False), (4, False), (8, False), (2, True)]
+)
+def test_the_fused_heads_statistics_do_not_depend_on_the_tensor_parallel_degree(
+    world, narrow_blocks
+):
     # V = 3072: one process runs head blocks of 2048 and 1024 columns; a shard of
-    # 1536, 768 or 384 columns other blocks, whose tiles meet in the same tree.
+    # 1536, 768 or 384 columns other blocks, whose tiles meet in the same tree
+    # (or narrow blocks in groups, against one process's default blocks).
     want = _head_tp_run(0, 1)
-    results = run_distributed(_head_tp_worker, world)
+    results = run_distributed(_head_tp_worker, world, narrow_blocks)
     width = V // world
     for rank, result in enumerate(results):
         cols = slice(rank * width, (rank + 1) * width)

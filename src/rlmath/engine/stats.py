@@ -32,7 +32,7 @@ __all__ = [
     "finish_kl",
     "global_max",
     "grad_coefficients",
-    "merge_tile_stats",
+    "merge_stat_nodes",
     "tiles_in_tree_order",
 ]
 
@@ -82,43 +82,29 @@ def _layout_ok(starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
 NEG_INF = float("-inf")
 
 
-def merge_tile_stats(
-    old: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-row ``(m, s, t)`` of two disjoint parts of the vocabulary merged into one.
-
-    Start from ``(-inf, 0, 0)`` and fold in the tiles one by one, which keeps
-    the state at three numbers per row. A part whose logits are all ``-inf``
-    for a row (``m = -inf``, NaN or 0 ``s``) contributes nothing.
-
-    Args:
-        old, new: ``(m, s, t)``, each ``(c,)`` (``t`` ``None`` without entropy).
-    """
-    big = torch.maximum(old[0], new[0])
-    s_out = torch.zeros_like(big)
-    t_out = torch.zeros_like(big) if old[2] is not None and new[2] is not None else None
-    for m, s, t in (old, new):
-        empty = m == NEG_INF
-        d = torch.where(empty, 0.0, m - big)
-        e = torch.where(empty, 0.0, d.exp())
-        s = torch.where(empty, 0.0, s)
-        s_out += e * s
-        if t_out is not None and t is not None:
-            t_out += e * (torch.where(empty, 0.0, t) + d * s)
-    return big, s_out, t_out
-
-
-def _stat_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    parts = x.unbind(-1)
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
-
-
 def merge_stat_nodes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`merge_tile_stats` of statistics stacked on the last dim: ``(..., k)`` with
-    ``k = 3`` for ``(m, s, t)``, ``k = 2`` for ``(m, s)`` (no entropy)."""
-    m, s, t = merge_tile_stats(_stat_parts(a), _stat_parts(b))
-    return torch.stack((m, s, t) if t is not None else (m, s), -1)
+    """Per-row statistics of two disjoint parts of the vocabulary merged into one.
+
+    ``a`` and ``b``: ``(..., k)``, the statistics stacked on the last dim,
+    ``(m, s, t)`` (``k = 3``) or ``(m, s)`` (``k = 2``, no entropy). With
+    ``M = max(m_a, m_b)``: ``s = e^{m_a - M}·s_a + e^{m_b - M}·s_b`` and
+    ``t = e^{m_a - M}·(t_a + (m_a - M)·s_a) + (the same for b)``. A part
+    without mass (``(-inf, 0, 0)``) adds exact zeros, so merging it returns the
+    other part bit for bit; a NaN makes the result NaN.
+    """
+    ma, mb = a[..., 0], b[..., 0]
+    # A part without mass has m = -inf: raised to the lowest float, its e^{m - M} is 0
+    # (or, beside another such part, 1 times s = t = 0) and (m - M)·s is 0: no NaN.
+    lowest = torch.finfo(a.dtype).min
+    ca, cb = ma.clamp_min(lowest), mb.clamp_min(lowest)
+    big = torch.maximum(ca, cb)
+    da, db = ca - big, cb - big
+    ea, eb = da.exp(), db.exp()
+    sa, sb = a[..., 1], b[..., 1]
+    parts = [torch.maximum(ma, mb), ea * sa + eb * sb]
+    if a.shape[-1] == 3:
+        parts.append(ea * (a[..., 2] + da * sa) + eb * (b[..., 2] + db * sb))
+    return torch.stack(parts, -1)
 
 
 def empty_stat_node(like: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,13 @@ computed and reduced slice by slice into the statistics of each 128-column
 tile of the fixed tree (:mod:`rlmath.engine.tree`): ``(m, s, t)``, the tile's
 max, ``Σ exp(z - m)`` and ``Σ exp(z - m)·(z - m)``, each tile shifted by its
 own max, since one pass over the head cannot know the row's max before its
-last block. The block's tiles are merged at once into the tree's nodes that
-lie inside the block (:data:`rlmath.engine.stats.STATS_TREE`), and those
-nodes into the root when every block is done: the same merges, in the same
-order, whatever the number of rows or threads, and whatever split of the
-vocabulary between processes on the tile grid (:func:`head_tile_nodes`).
-Only a few numbers per row and block (and the label logits) outlive a block.
+last block. The tiles of a row's consecutive blocks (:data:`GROUP_COLUMNS`)
+are merged into the tree's nodes that lie inside them
+(:data:`rlmath.engine.stats.STATS_TREE`) when the group's last block is done,
+and those nodes into the root when every block is: the same merges, in the
+same order, whatever the number of rows or threads, and whatever split of
+the vocabulary between processes on the tile grid (:func:`head_tile_nodes`).
+Only a few numbers per row and group (and the label logits) outlive a block.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from rlmath.engine.torch_backend.reductions import scaled_shift, upcast, upcasts
 __all__ = ["head_stats", "head_tile_nodes", "tile_stats"]
 
 NodeTable = dict[tree.Node, torch.Tensor]
+
+GROUP_COLUMNS = 8192
+"""Columns of a row's consecutive blocks whose tiles are merged together (a CPU's
+2048-column blocks four at a time): each merge is a dozen small ops whatever its
+width, so fewer, wider merges cost less, for ``3 · GROUP_COLUMNS / 128`` floats per
+row held until the group's last block."""
 
 
 def head_stats(
@@ -102,6 +109,26 @@ def head_tile_nodes(
     return [tree.evaluate(table, total, STATS_TREE, node) for node in plan], z_label
 
 
+class _Groups:
+    """Consecutive vocabulary blocks merged together, and the tree's nodes inside each group."""
+
+    def __init__(self, spans: list[tuple[int, int]], first: int, total: int):
+        width = max((b - a for a, b in spans), default=1)
+        per = max(1, GROUP_COLUMNS // width)
+        self.of_block = [j // per for j in range(len(spans))]
+        self.bounds: list[tuple[int, int]] = []  # each group's first and last block
+        for j0 in range(0, len(spans), per):
+            self.bounds.append((j0, min(j0 + per, len(spans)) - 1))
+        self.plans = [
+            tree.node_plan(
+                first + spans[j0][0] // tree.TILE,
+                tree.tile_count(spans[j1][1] - spans[j0][0]),
+                total,
+            )
+            for j0, j1 in self.bounds
+        ]
+
+
 def _head_nodes(
     blocks: HeadBlocks,
     temperature: Temperature,
@@ -110,32 +137,31 @@ def _head_nodes(
     first: int,
     total: int,
 ) -> tuple[NodeTable, torch.Tensor]:
-    """Every block's nodes of the tree (:func:`rlmath.engine.tree.node_plan` of its tiles,
-    globally numbered from ``first``), ``(N, k)`` each, and the label logits."""
+    """The nodes of the tree inside each group of blocks (:class:`_Groups`; tiles globally
+    numbered from ``first``), ``(N, k)`` each, and the label logits."""
     hidden, dtype = blocks.hidden, blocks.dtype
     dev, N = hidden.device, hidden.shape[0]
     k = 3 if entropy else 2
     temp = TemperatureColumn(temperature, dtype, dev)
-    table: NodeTable = {}
-    plans = []
-    for v0, v1 in blocks.tile_spans:
-        plan = tree.node_plan(first + v0 // tree.TILE, tree.tile_count(v1 - v0), total)
-        plans.append(plan)
-        for node in plan:
-            table[node] = torch.empty(N, k, dtype=dtype, device=dev)
+    groups = _Groups(blocks.tile_spans, first, total)
+    table: NodeTable = {
+        node: torch.empty(N, k, dtype=dtype, device=dev) for plan in groups.plans for node in plan
+    }
     z_label = torch.zeros(label_shape, dtype=dtype, device=dev)
     one_block = functools.partial(
         _block_stats,
         blocks=blocks,
         temp=temp,
         entropy=entropy,
-        plans=plans,
+        groups=groups,
+        pending={},
         table=table,
         first=first,
         total=total,
         z_label=z_label,
     )
-    # The blocks of a row in order: they update the row's label logits in turn.
+    # The blocks of a row in order: they update the row's label logits in turn, and
+    # a group's last block merges the tiles its earlier blocks left.
     blocks.run(one_block, along_rows=True, along_columns=False)
     if temp.col is not None:
         # Upcast, then divide by T: the rounding of the shifted block buffer.
@@ -151,16 +177,20 @@ def _block_stats(
     blocks: HeadBlocks,
     temp: TemperatureColumn,
     entropy: bool,
-    plans: list[list[tree.Node]],
+    groups: _Groups,
+    pending: dict[int, torch.Tensor],
     table: NodeTable,
     first: int,
     total: int,
     z_label: torch.Tensor,
 ) -> None:
-    """Block ``(i, j)``: its logits, label logits, and its tiles' statistics merged into the
-    tree's nodes inside the block, written to rows ``[r0, r1)`` of ``table``'s nodes.
+    """Block ``(i, j)``: its logits, label logits, and its tiles' statistics; the last block
+    of a group merges the group's tiles into the tree's nodes inside the group, written
+    to rows ``[r0, r1)`` of ``table``'s nodes.
 
-    Every block writes its own rows of its own nodes.
+    ``pending[i]`` holds block row ``i``'s tile statistics of its current group
+    (its blocks run in order, one at a time); every group writes its own rows
+    of its own nodes.
     """
     (r0, r1), (v0, v1) = blocks.block_rows[i], blocks.tile_spans[j]
     scratch.begin_tile(v0, v1)
@@ -168,19 +198,28 @@ def _block_stats(
     z = blocks.transformed(scratch, blocks.logits(scratch, h, v0, v1))
     idx, inside = blocks.tile_labels(r0, r1, v0, v1)
     z_label[r0:r1] = torch.where(inside, z.gather(1, idx), z_label[r0:r1])
-    c, n = r1 - r0, tree.tile_count(v1 - v0)
-    leaves = torch.empty(c, n, 3 if entropy else 2, dtype=z_label.dtype, device=z.device)
-    for s0, s1 in blocks.slices(c):
+    g = groups.of_block[j]
+    j0, j1 = groups.bounds[g]
+    g0 = blocks.tile_spans[j0][0]
+    if j == j0:
+        n = tree.tile_count(blocks.tile_spans[j1][1] - g0)
+        k = 3 if entropy else 2
+        pending[i] = torch.empty(r1 - r0, n, k, dtype=z_label.dtype, device=z.device)
+    leaves = pending[i]
+    a = (v0 - g0) // tree.TILE
+    for s0, s1 in blocks.slices(r1 - r0):
         tile_stats(
             z[s0:s1],
             scratch.small,
             temperature=temp.rows(r0 + s0, r0 + s1),
             entropy=entropy,
-            out=leaves[s0:s1],
+            out=leaves[s0:s1, a : a + tree.tile_count(v1 - v0)],
         )
-    values = tree.local_nodes(leaves, first + v0 // tree.TILE, total, STATS_TREE)
-    for node, value in zip(plans[j], values, strict=True):
-        table[node][r0:r1] = value
+    if j == j1:
+        del pending[i]
+        values = tree.local_nodes(leaves, first + g0 // tree.TILE, total, STATS_TREE)
+        for node, value in zip(groups.plans[g], values, strict=True):
+            table[node][r0:r1] = value
 
 
 def tile_stats(
