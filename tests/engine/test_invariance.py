@@ -509,3 +509,47 @@ def test_the_fused_heads_statistics_do_not_depend_on_the_tensor_parallel_degree(
             # grad_hidden is all-reduced over the shards (another order of the same sum):
             # the same on every rank, not the bits of one process.
             assert torch.equal(gh, results[0][key][4]), (world, rank, key)
+
+
+def _truncated_head_run(rank: int, world: int) -> dict:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        _, labels, temperature = _data(dtype)
+        g = torch.Generator().manual_seed(1)
+        hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+        weight = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
+        width = V // world
+        w = weight[rank * width : (rank + 1) * width].clone().requires_grad_()
+        vp = VocabParallel(group=dist.group.WORLD) if world > 1 else None
+        for sampler in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05, "top_p": 0.8}):
+            lp, ent = log_probs_and_entropy_from_hidden(
+                hidden, w, labels, temperature=temperature, vocab_parallel=vp, chunk_size=16,
+                **sampler,
+            )[:2]  # fmt: skip
+            loss = (torch.nan_to_num(lp) * torch.arange(N)).sum() + ent.sum()
+            (gw,) = torch.autograd.grad(loss, (w,))
+            out[(dtype, tuple(sampler))] = (lp.detach(), ent.detach(), gw)
+    return out
+
+
+def _truncated_head_worker() -> dict:
+    return _truncated_head_run(dist.get_rank(), dist.get_world_size())
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    not cpu_matmul.uses_onednn(torch.float32, torch.device("cpu")),
+    reason="the head's fp32 matmuls run in torch's BLAS here, whose rows depend on the batch",
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_fused_head_under_a_kept_set_does_not_depend_on_the_tensor_parallel_degree(world):
+    # Under a sampler the head hands whole blocks of rows to the logits passes,
+    # which sum over the kept tokens in the tree.
+    want = _truncated_head_run(0, 1)
+    width = V // world
+    for rank, result in enumerate(run_distributed(_truncated_head_worker, world)):
+        for key, (lp, ent, gw) in result.items():
+            want_lp, want_ent, want_gw = want[key]
+            assert torch.equal(lp.nan_to_num(7.0), want_lp.nan_to_num(7.0)), (world, rank, key)
+            assert torch.equal(ent, want_ent), (world, rank, key)
+            assert torch.equal(gw, want_gw[rank * width : (rank + 1) * width]), (world, rank, key)
