@@ -60,16 +60,18 @@ def head_stats(
     ``z_labels`` ``(N, K)`` are the logits of the owned labels (0 elsewhere).
     A row without a finite logit gives ``m = -inf, s = t = 0``.
     """
-    blocks = HeadBlocks(
-        hidden, weight, bias, labels, owned, live, rows, tile, real, dtype, scale, softcap
-    )
     total = tree.tile_count(real)
-    table, z_label = _head_nodes(blocks, temperature, want_entropy, labels.shape, 0, total)
-    N = hidden.shape[0]
-    if total == 0:
-        root = STATS_TREE.identity(hidden.new_empty(N, 3 if want_entropy else 2, dtype=dtype))
-    else:
-        root = tree.evaluate(table, total, STATS_TREE)
+    # The whole vocabulary is here: its one node is the root.
+    nodes, z_label = head_tile_nodes(
+        hidden, weight, bias, labels, owned, live, temperature, want_entropy,
+        real=real, rows=rows, tile=tile, dtype=dtype, first=0, total=total, scale=scale,
+        softcap=softcap,
+    )  # fmt: skip
+    if nodes:
+        (root,) = nodes
+    else:  # no column: no mass
+        k = 3 if want_entropy else 2
+        root = STATS_TREE.identity(hidden.new_empty(hidden.shape[0], k, dtype=dtype))
     return root[:, 0], root[:, 1], root[:, 2] if want_entropy else None, z_label
 
 
