@@ -84,6 +84,12 @@ def test_tree_from_any_split_of_the_tiles_equals_the_whole(total, cut_seed, n_cu
         spread = torch.where(live, whole[:, None, 0] - x[..., 0], 0).amax(1).double()
         bound = depth * (spread + 3) * 2.0**-24 * mass.sum(1)
         assert ((whole[:, 1].double() - mass.sum(1)).abs() <= bound).all()
+        # The entropy term: e^{m - M}·(t + (m - M)·s) per tile, one rounding more per level.
+        d = torch.where(live, x[..., 0].double() - whole[:, None, 0].double(), 0.0)
+        terms = torch.where(live, shift * (x[..., 2].double() + d * x[..., 1].double()), 0.0)
+        size = torch.where(live, shift * (x[..., 2].double().abs() + d.abs() * x[..., 1]), 0.0)
+        bound_t = depth * (spread + 4) * 2.0**-24 * size.sum(1)
+        assert ((whole[:, 2].double() - terms.sum(1)).abs() <= bound_t).all()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 250, 1187])
@@ -553,3 +559,27 @@ def test_the_fused_head_under_a_kept_set_does_not_depend_on_the_tensor_parallel_
             assert torch.equal(lp.nan_to_num(7.0), want_lp.nan_to_num(7.0)), (world, rank, key)
             assert torch.equal(ent, want_ent), (world, rank, key)
             assert torch.equal(gw, want_gw[rank * width : (rank + 1) * width]), (world, rank, key)
+
+
+def _uneven_head_worker() -> str:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 8, generator=g)
+    weight = torch.randn(256 if rank == 0 else 384, 8, generator=g)  # rank 1 starts at 384
+    labels = torch.randint(0, 256, (5,), generator=g)
+    try:
+        log_probs_and_entropy_from_hidden(
+            hidden, weight, labels, vocab_parallel=VocabParallel(group=dist.group.WORLD)
+        )
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.integration
+def test_a_head_whose_shards_leave_a_gap_raises_on_every_rank():
+    # Shards placed by their widths (start=None) but of unequal widths: a gap at
+    # [256, 384). Caught before the statistics' all-gather, whose size follows from it.
+    for message in run_distributed(_uneven_head_worker, 2, timeout=120):
+        assert message.startswith("ShardLayoutError"), message
+        assert "[(0, 256), (384, 384)]" in message

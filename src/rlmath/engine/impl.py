@@ -27,6 +27,7 @@ from rlmath.engine.policy import auto_tile_sizes
 from rlmath.engine.sampling import KeptSet
 from rlmath.engine.stats import (
     STATS_TREE,
+    check_layout,
     combine_kl,
     combine_nodes,
     combine_pi_squared,
@@ -665,6 +666,8 @@ def head_forward(
         # Each shard's nodes of the fixed tree of per-tile statistics, finished on
         # every rank: bitwise the statistics of one process.
         assert group is not None
+        # The nodes' all-gather has a size that follows from the layout: check it first.
+        ok = check_layout(h2, group, layout)
         first = torch.distributed.get_rank(group) * cfg.shard.stride // TILE
         nodes, z = kernels.head_tile_nodes(
             *args, **kw, first=first, total=tile_count(cfg.shard.total)
@@ -672,7 +675,7 @@ def head_forward(
         width = 3 if cfg.want_entropy else 2
         root, z_all, held = combine_nodes(
             nodes, width, h2.new_empty(h2.shape[0], dtype=cdt), z, lab.owned, cfg.shard,
-            group, STATS_TREE, layout,
+            group, STATS_TREE, ok,
         )  # fmt: skip
         big, log_s = root[:, 0], root[:, 1].log()
         ent = log_s - root[:, 2] / root[:, 1] if cfg.want_entropy else None

@@ -287,6 +287,14 @@ def tiles_in_tree_order(shard: VocabShard, group: ProcessGroup | None) -> bool:
     return group is not None and shard.stride > 0 and shard.stride % tree.TILE == 0
 
 
+def check_layout(like: torch.Tensor, group: ProcessGroup, layout: tuple[int, int]) -> torch.Tensor:
+    """Whether the group's shards tile the vocabulary, as :func:`_max_with_layout` checks it,
+    in a collective of its own (``2·world`` floats): a 0-d bool tensor (on a CPU a bad
+    layout raises :class:`ShardLayoutError`). For a pass whose first collective has a
+    size that follows from the layout, so that a bad one must be found before it."""
+    return _max_with_layout(like.new_empty(0), layout, group)[1]
+
+
 def global_max(m: torch.Tensor, group: ProcessGroup, layout: tuple[int, int]) -> torch.Tensor:
     """The max of each row over the group, the layout checked as in :func:`combine_shards`."""
     big, ok = _max_with_layout(m, layout, group)
@@ -334,7 +342,7 @@ def combine_nodes(
     shard: VocabShard,
     group: ProcessGroup,
     op: tree.TreeOp = tree.ADD,
-    layout: tuple[int, int] | None = None,
+    ok: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The root of the single-process tree from every shard's nodes: one all-gather.
 
@@ -353,9 +361,8 @@ def combine_nodes(
         shard: this shard (:attr:`~VocabShard.stride` > 0, a multiple of the tile width).
         group: the vocabulary-parallel group.
         op: how nodes combine (:data:`rlmath.engine.tree.ADD`, :data:`STATS_TREE`).
-        layout: this shard's ``(start, width)``, for a caller without an earlier
-            collective that checked the layout: carried with the nodes and
-            checked as in :func:`_max_with_layout` (a bad layout makes the root NaN).
+        ok: :func:`check_layout`'s result, for a caller without an earlier
+            collective that checked the layout: where it is false, the root is NaN.
 
     Returns:
         ``(root (N, width), label logits (N, K) or None, held (N, K) or None)``.
@@ -379,8 +386,6 @@ def combine_nodes(
         parts.append(torch.where(owned, z_labels, 0) if owned is not None else z_labels)
         if owned is not None:
             parts.append(owned.to(like.dtype))
-    if layout is not None:
-        parts.append(like.new_tensor([float(layout[0]), float(layout[1])]).expand(n_rows, 2))
     everyone = all_gather(torch.cat(parts, -1), group)  # (world, N, ·)
     table = {
         node: everyone[k, :, j * width : (j + 1) * width]
@@ -388,8 +393,7 @@ def combine_nodes(
         for j, node in enumerate(plan)
     }
     root = tree.evaluate(table, total, op) if total else op.identity(like.new_empty(n_rows, width))
-    if layout is not None and n_rows:
-        ok = _layout_ok(everyone[:, 0, -2], everyone[:, 0, -1])
+    if ok is not None:
         root = torch.where(ok, root, float("nan"))
     z_all = held = None
     if z_labels is not None:
